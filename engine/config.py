@@ -1,0 +1,206 @@
+"""Frozen engine configuration, validated at construction with errors a user can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str
+    seed: int = 0
+    served_model_name: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: bytes for the KV cache. CUDA: fraction of free device memory after loading weights.
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            self.block_size,
+            "a power of two",
+        )
+        _require(
+            self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "> 0",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        if self.num_blocks_override is not None:
+            _require(
+                self.num_blocks_override > 0, "num_blocks_override", self.num_blocks_override, "> 0"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        _require(self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _require(
+            self.max_waiting_requests >= 1,
+            "max_waiting_requests",
+            self.max_waiting_requests,
+            ">= 1",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    enable_attention_dp: bool = False
+    enable_lm_head_tp_in_adp: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            ">= 1",
+        )
+        if self.enable_lm_head_tp_in_adp and not self.enable_attention_dp:
+            raise ValueError("enable_lm_head_tp_in_adp=True requires enable_attention_dp=True")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device={device!r} is invalid: use auto, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user can set, flat (the CLI and ``LLM(**kwargs)`` map onto it)."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_waiting_requests: int = 1024
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    tensor_parallel_size: int = 1
+    enable_attention_dp: bool = False
+    enable_lm_head_tp_in_adp: bool = False
+    served_model_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    def create_engine_config(self) -> EngineConfig:
+        from models.loader import load_hf_config, resolve_dtype
+
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model={self.model!r} is not a local model folder")
+        hf_config = load_hf_config(self.model)
+        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 1 << 20)
+        max_model_len = self.max_model_len or min(limit, 4096)
+        _require(
+            0 < max_model_len <= limit,
+            "max_model_len",
+            max_model_len,
+            f"between 1 and the model's max_position_embeddings ({limit})",
+        )
+        device = resolve_device(self.device)
+        model_config = ModelConfig(
+            model=self.model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config),
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or self.model,
+            seed=self.seed,
+            served_model_name=self.served_model_name
+            or os.path.basename(os.path.normpath(self.model)),
+        )
+        batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_blocks_override=self.num_kv_blocks,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_model_len,
+                max_waiting_requests=self.max_waiting_requests,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                enable_attention_dp=self.enable_attention_dp,
+                enable_lm_head_tp_in_adp=self.enable_lm_head_tp_in_adp,
+            ),
+            device=device,
+        )

@@ -1,0 +1,77 @@
+"""Turns a user's prompt and parameters into a validated ``Request``.
+
+Runs wherever requests enter: inside the engine for the offline API, and in the API process
+for the server (so bad input is answered with a 400 before it reaches a rank)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+class ContextLengthExceededError(ValueError):
+    """The prompt plus the requested output does not fit in ``max_model_len``."""
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and build a request (raises ValueError with a message a user can act on)."""
+        if params.n != 1:
+            raise ValueError("the engine takes n=1 requests; fan out n>1 before submitting")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        bad += [t for t in ids if isinstance(t, int) and not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which leaves no room for output"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ContextLengthExceededError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(ids)} tokens and max_tokens={params.max_tokens} asks for more than the "
+                f"{room} that remain"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        blocks = -(-(len(ids) + max_tokens) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks but the whole cache has "
+                f"{self.num_blocks}; lower max_tokens or the prompt length"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )

@@ -1,0 +1,80 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs the engine in this process until every prompt is done.
+
+    ``kwargs`` are ``EngineArgs`` fields (``dtype``, ``device``, ``max_num_seqs``,
+    ``max_model_len``, ``seed``, ...)."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(
+                f"unknown LLM arguments: {sorted(unknown)}; "
+                f"known: {sorted(EngineArgs.field_names() - {'model'})}"
+            )
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order, with ``n`` samples each."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(
+                f"got {len(plist)} SamplingParams for {len(prompts)} prompts; pass one or one each"
+            )
+        # Validate every prompt before running any of them.
+        pending: list[tuple[str, int, int]] = []  # (engine id, prompt index, sample index)
+        built = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            for j in range(p.n):
+                rid = f"{self._counter}-{i}-{j}"
+                built.append(self.engine.make_request(rid, prompt, p.child(j) if p.n > 1 else p))
+                pending.append((rid, i, j))
+        self._counter += 1
+        for request in built:
+            self.engine.add_request(request.request_id, request)
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            self.engine.abort_request([rid for rid, _, _ in pending if rid not in final])
+            raise
+        results: list[RequestOutput] = []
+        for i in range(len(prompts)):
+            samples = [final[rid] for rid, pi, _ in pending if pi == i]
+            first = samples[0]
+            outputs = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
+            results.append(dataclasses.replace(first, request_id=str(i), outputs=outputs))
+        return results
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,240 @@
+"""The engine loop: schedule, run, process outputs — one ``step()`` at a time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs, EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.executor import Executor, make_executor
+from engine.input_processor import ContextLengthExceededError, InputProcessor
+from engine.model_runner import RequestStep, StepInput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, Scheduler
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "ContextLengthExceededError"]
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+
+def load_generation_config(path: str) -> dict[str, Any]:
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return {}
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = load_tokenizer(mc.tokenizer)
+        self.generation_config = load_generation_config(mc.model)
+        self.eos_token_ids = frozenset(
+            _as_id_set(self.generation_config.get("eos_token_id"))
+            | _as_id_set(getattr(mc.hf_config, "eos_token_id", None))
+            | _as_id_set(self.tokenizer.eos_token_id)
+        )
+        self.executor = executor or make_executor(config)
+        cc = config.cache_config
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, cc.block_size, cc.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            mc.vocab_size,
+            mc.max_model_len,
+            self.eos_token_ids,
+            cc.block_size,
+            self.executor.num_blocks,
+        )
+        self.detok: dict[str, Detokenizer] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model_config.max_model_len
+
+    # -------------------------------------------------------------- requests
+
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Request:
+        """Validate and build a request (raises ValueError with a message a user can act on)."""
+        return self.input_processor.process(request_id, prompt, params)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | Request,
+        params: SamplingParams | None = None,
+    ) -> Request:
+        request = (
+            prompt
+            if isinstance(prompt, Request)
+            else self.make_request(request_id, prompt, params or SamplingParams())
+        )
+        p = request.params
+        self.detok[request.request_id] = Detokenizer(
+            self.tokenizer, p.skip_special_tokens, p.stop_strings
+        )
+        self.scheduler.add(request)
+        self.prompt_tokens_total += request.num_prompt_tokens
+        return request
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.abort(rid)
+            self.detok.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------- step
+
+    def _step_input(self, scheduled: list[ScheduledRequest], finished: list[str]) -> StepInput:
+        steps = []
+        for s in scheduled:
+            r = s.request
+            sample = s.samples
+            pen = sample and r.params.uses_penalties
+            steps.append(
+                RequestStep(
+                    request_id=r.request_id,
+                    token_ids=r.all_token_ids[s.start : s.start + s.num_new_tokens],
+                    start=s.start,
+                    block_ids=list(r.block_ids),
+                    sample=sample,
+                    params=r.params if sample else None,
+                    prompt_token_ids=r.prompt_token_ids if pen else [],
+                    output_token_ids=r.output_token_ids if pen else [],
+                )
+            )
+        return StepInput(steps, finished)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if sched.finished_request_ids:
+                self.executor.execute(StepInput([], sched.finished_request_ids))
+            return []
+        result = self.executor.execute(
+            self._step_input(sched.scheduled, sched.finished_request_ids)
+        )
+        self.scheduler.cache_computed_blocks(sched.scheduled)
+        now = time.monotonic()
+        outputs = []
+        by_id = {s.request.request_id: s.request for s in sched.scheduled}
+        for i, rid in enumerate(result.request_ids):
+            request = by_id[rid]
+            if request.is_finished:  # aborted while the step ran
+                continue
+            token = result.token_ids[i]
+            request.append_token(token)
+            self.generation_tokens_total += 1
+            if result.logprobs[i] is not None:
+                request.logprobs.append(result.logprobs[i])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.scheduler.finish(request, status)
+            outputs.append(self._make_output(request))
+            if status is not None:
+                self.detok.pop(rid, None)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        p = request.params
+        detok = self.detok[request.request_id]
+        n_out = request.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in request.eos_token_ids:
+                detok.update(request.output_token_ids, False)
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                request.stop_reason = token
+                detok.update(request.output_token_ids, False)
+                return RequestStatus.FINISHED_STOPPED
+        stop = detok.update(request.output_token_ids, p.include_stop_str_in_output)
+        if stop is not None and n_out >= p.min_tokens:
+            request.stop_reason = stop
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        detok = self.detok[request.request_id]
+        finished = request.is_finished
+        completion = CompletionOutput(
+            index=0,
+            token_ids=list(request.output_token_ids),
+            text=detok.visible(finished),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+        )
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = request.first_scheduled_time
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    # -------------------------------------------------------------- stats
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=bm.num_blocks,
+            num_used_kv_blocks=bm.num_used_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

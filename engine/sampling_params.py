@@ -1,0 +1,91 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature == 0`` is greedy (argmax)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, allowed: str) -> ValueError:
+            return ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", self.top_k, "must be -1 or 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be at least 1")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise bad("min_tokens", self.min_tokens, "must be in [0, max_tokens]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise bad("stop", self.stop, "stop strings must be non-empty strings")
+        self.stop_strings = stop
+        ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def child(self, index: int) -> SamplingParams:
+        """Parameters of sample ``index`` of an ``n > 1`` request (distinct seeds)."""
+        import dataclasses
+
+        seed = None if self.seed is None else self.seed + index
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        kw.update(n=1, seed=seed)
+        return SamplingParams(**kw)

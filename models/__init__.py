@@ -1,0 +1,1 @@
+"""nn.Modules and weight loading for the models Tandem serves."""

@@ -1,0 +1,63 @@
+"""Attention over the paged KV cache, and the per-step metadata the engine fills in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.paged_attention import paged_attention, write_kv_cache
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache. Built once per step by the model runner.
+
+    Rows are the step's tokens, sequence after sequence; sequence ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]`` KV tokens after the write.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each row (< 0: padding)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    plan: Any = None  # kernel-side index tensors shared by every layer of the step
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's cache blocks, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("KV cache is not bound to this attention layer")
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            plan=meta.plan,
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

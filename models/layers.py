@@ -1,0 +1,376 @@
+"""Building blocks shared by the model families: norms, rotary embeddings and parallel linears.
+
+Every parameter that comes from a checkpoint carries a ``weight_loader(param, loaded, shard_id)``
+that copies this rank's slice of the tensor; ``loaded`` is a torch tensor or a lazy safetensors
+slice, so a rank reads only the bytes it keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.parallel import ParallelMapping, all_gather_last_dim, all_reduce, divide
+
+# ----------------------------------------------------------------------------- weight loading
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a lazy safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read ``[start, start + size)`` along ``dim`` (0 or 1) from a tensor or lazy slice."""
+    if dim == 0:
+        return loaded[start : start + size]
+    return loaded[:, start : start + size]
+
+
+def read_loaded(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, what: str = "tensor") -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(
+            f"shape mismatch for {what}: checkpoint has {tuple(value.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(value.to(param.dtype))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    copy_checked(param, read_loaded(loaded))
+
+
+def set_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, optionally fused with the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = set_loader(nn.Parameter(torch.ones(hidden_size)), default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope settings as one dict (transformers 4.x and 5.x spellings)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.pop("type", None) or "default")
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor = float(p["factor"])
+    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_len = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(rotary_dim: int, max_position: int, params: dict[str, Any]) -> RotaryEmbedding:
+    """One rotary module (and cos/sin cache) per distinct setting, shared by all layers."""
+    key = (rotary_dim, max_position, repr(sorted(params.items())), torch.get_default_dtype())
+    device = torch.empty(0).device
+    rope = _ROPE_CACHE.get(key)
+    if rope is None or rope.cos_sin.device != device:
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(rotary_dim, max_position, params)
+    return rope
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed fp32 cos/sin cache."""
+
+    def __init__(
+        self, rotary_dim: int, max_position: int, params: dict[str, Any], interleaved: bool = False
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        base = float(params.get("rope_theta", 10000.0))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+        )
+        rope_type = params.get("rope_type", "default")
+        self.attention_scaling = 1.0
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(params["factor"])
+        elif rope_type != "default":
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+            )
+        self._set_cache(inv_freq, max_position)
+
+    def _set_cache(self, inv_freq: torch.Tensor, max_position: int) -> None:
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, rot/2]
+        cos = freqs.cos() * self.attention_scaling
+        sin = freqs.sin() * self.attention_scaling
+        self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; rotates the first ``rotary_dim`` dims."""
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rot/2] each
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        dtype = x.dtype
+        rot = rot.float()
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        out = out.to(dtype)
+        return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+
+# ----------------------------------------------------------------------------- linears
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = set_loader(
+            nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
+            self.weight_loader,
+        )
+        self.bias = (
+            set_loader(
+                nn.Parameter(torch.zeros(out_features), requires_grad=False), self.weight_loader
+            )
+            if bias
+            else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        copy_checked(param, read_loaded(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication in forward."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, mapping: ParallelMapping
+    ) -> None:
+        self.mapping = mapping
+        self.tp = mapping.tp_size
+        super().__init__(in_features, divide(out_features, self.tp, "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        shape = loaded_shape(loaded)
+        if shape[0] != size * self.tp:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {shape}, expected dim 0 = {size * self.tp}"
+            )
+        copy_checked(param, narrow_loaded(loaded, 0, self.mapping.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stored as one weight (e.g. gate and up projections)."""
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, mapping: ParallelMapping
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, mapping)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        idx = int(shard_id)
+        local = self.output_sizes[idx] // self.tp
+        offset = sum(self.output_sizes[:idx]) // self.tp
+        shape = loaded_shape(loaded)
+        if shape[0] != self.output_sizes[idx] or (len(shape) > 1 and shape[1] != param.shape[1]):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {shape}, expected "
+                f"({self.output_sizes[idx]}, {param.shape[1] if param.dim() > 1 else ''})"
+            )
+        value = narrow_loaded(loaded, 0, self.mapping.tp_rank * local, local)
+        param.data[offset : offset + local].copy_(value.to(param.dtype))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; KV heads are replicated when there are fewer of them than ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        mapping: ParallelMapping,
+    ) -> None:
+        tp = mapping.tp_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        self.total_kv_heads = num_kv_heads
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp, num_kv_heads, "tensor-parallel size over KV heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias, mapping)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        rank, d = self.mapping.tp_rank, self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            total, offset, size, start = self.num_heads * self.tp * d, 0, q_size, rank * q_size
+        else:
+            total = self.total_kv_heads * d
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (rank // self.kv_replicas) * kv_size
+        shape = loaded_shape(loaded)
+        if shape[0] != total or (len(shape) > 1 and shape[1] != param.shape[1]):
+            raise ValueError(f"shape mismatch for {shard_id}_proj: checkpoint has {shape}")
+        param.data[offset : offset + size].copy_(
+            narrow_loaded(loaded, 0, start, size).to(param.dtype)
+        )
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the partial outputs are summed with one all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        mapping: ParallelMapping,
+        reduce: bool = True,
+    ) -> None:
+        self.mapping = mapping
+        self.tp = mapping.tp_size
+        self.reduce = reduce
+        super().__init__(divide(in_features, self.tp, "input features"), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if param.dim() == 1:  # bias: full on every rank, added once after the reduce
+            copy_checked(param, read_loaded(loaded))
+            return
+        size = param.shape[1]
+        shape = loaded_shape(loaded)
+        if len(shape) != 2 or shape[1] != size * self.tp or shape[0] != param.shape[0]:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {shape}, expected ({param.shape[0]}, {size * self.tp})"
+            )
+        copy_checked(param, narrow_loaded(loaded, 1, self.mapping.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce:
+            out = all_reduce(out, self.mapping)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across ranks (padded to a multiple of the TP size)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, mapping: ParallelMapping) -> None:
+        super().__init__()
+        self.mapping = mapping
+        self.vocab_size = vocab_size
+        self.local_vocab = math.ceil(vocab_size / mapping.tp_size)
+        self.start = mapping.tp_rank * self.local_vocab
+        self.weight = set_loader(
+            nn.Parameter(torch.zeros(self.local_vocab, hidden_size), requires_grad=False),
+            self.weight_loader,
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        shape = loaded_shape(loaded)
+        if shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {shape}, expected ({self.vocab_size}, {param.shape[1]})"
+            )
+        size = min(self.local_vocab, self.vocab_size - self.start)
+        param.data.zero_()
+        param.data[:size].copy_(narrow_loaded(loaded, 0, self.start, size).to(param.dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.mapping.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
+        return all_reduce(out, self.mapping)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """LM head whose rows (vocabulary) are split across ranks; logits are gathered."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(logits, self.mapping)
+        return logits[..., : self.vocab_size]
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, [T, local_vocab]."""
+        return F.linear(hidden, self.weight)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

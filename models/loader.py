@@ -1,0 +1,125 @@
+"""Load a Hugging Face model folder (config + safetensors) into our modules."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from models.parallel import ParallelMapping
+from models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for checkpoints larger than this
+
+
+def load_hf_config(path: str | os.PathLike) -> Any:
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{path} is not a model folder: config.json not found")
+    return AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any) -> torch.dtype:
+    """``"auto"`` takes the checkpoint's dtype (fp32 when the config names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(cfg, torch.dtype):
+            return cfg
+        return _DTYPES.get(str(cfg or "float32").replace("torch.", ""), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def safetensors_files(folder: str | os.PathLike) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"checkpoint shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder}")
+    return files
+
+
+def iterate_checkpoint(
+    files: list[Path], desc: str = "loading weights"
+) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor; slices read only what a rank indexes."""
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc=desc, disable=total < PROGRESS_MIN_BYTES
+    )
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, fh.get_slice(name)
+        bar.update(f.stat().st_size)
+    bar.close()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def check_complete(model: nn.Module, loaded: set[str], path: str | os.PathLike) -> None:
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        shown = ", ".join(m.split("#")[0] for m in missing[:8])
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint {path} is missing tensors: {shown}{more}")
+
+
+def load_model(
+    path: str | os.PathLike,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    mapping: ParallelMapping | None = None,
+    config: Any = None,
+) -> nn.Module:
+    """Build the registered class for the folder's architecture and load its weights."""
+    config = config if config is not None else load_hf_config(path)
+    cls = resolve_model_class(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    with default_dtype(torch_dtype), torch.device(device):
+        model = cls(config, mapping or ParallelMapping())
+    loaded = model.load_weights(iterate_checkpoint(safetensors_files(path)))
+    check_complete(model, loaded, path)
+    model.eval()
+    return model

@@ -1,0 +1,26 @@
+"""Maps a checkpoint's ``architectures`` entry to the class that serves it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def resolve_model_class(config: Any) -> type[nn.Module]:
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture {archs or '(none in config.json)'}; "
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )
