@@ -1,0 +1,156 @@
+"""Engine behaviour: batching, chunked prefill, prefix caching, preemption, stops, seeds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpoints import build_llama
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SHARED = list(range(10, 50))  # a 40-token shared prefix: 2 full blocks of 16
+PROMPTS = [
+    [7, 8, 9],
+    SHARED + [3, 4, 5],
+    SHARED + [200, 201],
+    list(range(100, 170)),
+    [11] * 20,
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("ck") / "llama")
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.engine.get_stats()
+    assert stats.num_used_kv_blocks == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt: Path) -> list[list[int]]:
+    """Each prompt alone, no prefix caching, no chunking."""
+    with LLM(str(ckpt), enable_prefix_caching=False) as llm:
+        return [_tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
+
+
+def test_batched_equals_one_at_a_time(ckpt: Path, reference: list[list[int]]) -> None:
+    with LLM(str(ckpt), enable_prefix_caching=False) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
+        _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_tiny_chunked_prefill(ckpt: Path, reference: list[list[int]], prefix_caching: bool) -> None:
+    with LLM(str(ckpt), max_num_batched_tokens=8, enable_prefix_caching=prefix_caching) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
+        _assert_all_blocks_free(llm)
+
+
+def test_prefix_caching_hits_and_keeps_outputs(ckpt: Path, reference: list[list[int]]) -> None:
+    with LLM(str(ckpt), enable_prefix_caching=True) as llm:
+        first = _tokens(llm.generate(PROMPTS, GREEDY))
+        hits_before = llm.engine.get_stats().prefix_cache_hits
+        second = _tokens(llm.generate(PROMPTS, GREEDY))
+        stats = llm.engine.get_stats()
+        assert first == reference and second == reference
+        # Second pass: every full prompt block (except the last token's) comes from the cache.
+        assert stats.prefix_cache_hits - hits_before >= 32 + 32 + 64 + 16
+        _assert_all_blocks_free(llm)
+
+
+def test_preemption_keeps_greedy_outputs(ckpt: Path, reference: list[list[int]]) -> None:
+    # 12 blocks of 16 tokens cannot hold the five requests at once (they need 19).
+    with LLM(str(ckpt), num_kv_blocks=12, max_model_len=128) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0
+        _assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_reproducible(ckpt: Path) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    with LLM(str(ckpt)) as llm:
+        alone = _tokens(llm.generate([PROMPTS[0]], params))[0]
+        crowd = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3 + [params]
+        mixed = _tokens(llm.generate(PROMPTS[1:4] + [PROMPTS[0]], crowd))[3]
+        other = _tokens(
+            llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=99, max_tokens=16))
+        )[0]
+    assert alone == mixed
+    assert alone != other
+
+
+def test_n_samples_differ_and_are_ordered(ckpt: Path) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    with LLM(str(ckpt)) as llm:
+        (out,) = llm.generate([PROMPTS[0]], params)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+def test_stop_conditions(ckpt: Path, reference: list[list[int]]) -> None:
+    with LLM(str(ckpt)) as llm:
+        ref = reference[3]
+        tok = llm.tokenizer
+        # stop_token_ids: ends on that token, inclusive, reason "stop".
+        (out,) = llm.generate(
+            [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[5]])
+        )
+        c = out.outputs[0]
+        first = ref.index(ref[5])
+        assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop"
+        assert c.stop_reason == ref[5]
+        # stop string: the text ends before it and does not contain it.
+        full = tok.decode(ref, skip_special_tokens=True)
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        if stop.strip():
+            (out,) = llm.generate(
+                [PROMPTS[3]],
+                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop),
+            )
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and c.stop_reason == stop
+            assert stop not in c.text and full.startswith(c.text)
+            assert c.text == full[: full.index(stop)]
+        # max_tokens: exactly that many, reason "length".
+        (out,) = llm.generate(
+            [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        )
+        assert out.outputs[0].token_ids == ref[:5] and out.outputs[0].finish_reason == "length"
+        # min_tokens suppresses an early stop token.
+        (out,) = llm.generate(
+            [PROMPTS[3]],
+            SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[0]], min_tokens=4),
+        )
+        assert len(out.outputs[0].token_ids) >= 4
+        _assert_all_blocks_free(llm)
+
+
+def test_top_logprobs(ckpt: Path) -> None:
+    with LLM(str(ckpt)) as llm:
+        (out,) = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6, logprobs=5))
+    for lp in out.outputs[0].logprobs:
+        assert len(lp.top_token_ids) == 5
+        assert lp.top_token_ids[0] == lp.token_id  # greedy picks the most likely token
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert abs(lp.top_logprobs[0] - lp.logprob) < 1e-6
+
+
+def test_string_prompt_and_text(ckpt: Path) -> None:
+    with LLM(str(ckpt)) as llm:
+        (out,) = llm.generate(
+            "Hello world!", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )
+        assert out.prompt_token_ids == llm.tokenizer.encode("Hello world!")
+        assert out.outputs[0].text == llm.tokenizer.decode(
+            out.outputs[0].token_ids, skip_special_tokens=True
+        )

@@ -1,0 +1,65 @@
+"""Greedy generation and log-probabilities equal transformers' own, across the Llama family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import build_llama, hf_greedy
+from engine import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100], list(range(60, 97))]
+NEW_TOKENS = 32
+
+CASES = {
+    "llama-gqa-untied": dict(arch="llama", heads=4, kv_heads=2),
+    "llama-mqa-tied": dict(arch="llama", heads=4, kv_heads=1, tie=True),
+    "llama3-rope-scaling": dict(
+        arch="llama",
+        rope={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-bias": dict(arch="qwen2", heads=4, kv_heads=2),
+    "qwen3-qknorm-head-dim": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=24),
+    "llama-sharded": dict(arch="llama", max_shard_size="60KB"),
+    "llama-bf16-on-disk": dict(arch="llama", dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
+    folder = build_llama(tmp_path / name, **CASES[name])
+    if name == "llama-sharded":
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("*.safetensors"))) > 1
+    ref = hf_greedy(folder, PROMPTS, NEW_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    with LLM(str(folder), dtype="float32", max_num_seqs=8) as llm:
+        outs = llm.generate(PROMPTS, params)
+    for out, expected in zip(outs, ref, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == expected["tokens"]
+        assert got.finish_reason == "length"
+        diffs = [
+            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
+        ]
+        assert max(diffs) < 1e-4
+
+
+def test_dtype_auto_follows_checkpoint(tmp_path: Path) -> None:
+    folder = build_llama(tmp_path / "bf16", dtype=torch.bfloat16)
+    with LLM(str(folder), dtype="auto") as llm:
+        model = llm.engine.executor.worker.model
+        assert model.lm_head.weight.dtype == torch.bfloat16
+        out = llm.generate(
+            [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        )
+        assert len(out[0].outputs[0].token_ids) == 4
