@@ -109,6 +109,76 @@ class ParallelConfig:
             raise ValueError("enable_lm_head_tp_in_adp=True requires enable_attention_dp=True")
 
 
+SPEC_METHODS = ("eagle3", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One-model speculative decoding: a draft head proposes K tokens, the target verifies."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None  # draft folder; for MTP default: the target checkpoint itself
+    use_rejection_sampling: bool = True
+    eagle3_layers_to_capture: tuple[int, ...] | None = None
+    mtp_mode: str = "eagle"  # "eagle": one MTP layer reused K times; "vanilla": K layers
+    disable_draft_row_pick: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPEC_METHODS,
+            "speculative_config.method",
+            self.method,
+            f"one of {SPEC_METHODS}",
+        )
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and 1 <= k <= 16,
+            "speculative_config.num_speculative_tokens",
+            k,
+            "an integer in [1, 16]",
+        )
+        _require(
+            self.mtp_mode in ("eagle", "vanilla"),
+            "speculative_config.mtp_mode",
+            self.mtp_mode,
+            "'eagle' or 'vanilla'",
+        )
+        if self.method == "eagle3" and not self.model:
+            raise ValueError(
+                "speculative_config.model is required for method 'eagle3' (the draft folder)"
+            )
+        if self.method == "eagle3" and self.mtp_mode != "eagle":
+            raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
+        layers = self.eagle3_layers_to_capture
+        if layers is not None:
+            _require(
+                self.method == "eagle3"
+                and len(layers) >= 1
+                and all(isinstance(i, int) and i >= 0 for i in layers),
+                "speculative_config.eagle3_layers_to_capture",
+                layers,
+                "non-negative layer indices, for method 'eagle3'",
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        if "method" not in d:
+            raise ValueError("speculative_config.method is required (eagle3 or mtp)")
+        kw = dict(d)
+        if kw.get("eagle3_layers_to_capture") is not None:
+            kw["eagle3_layers_to_capture"] = tuple(kw["eagle3_layers_to_capture"])
+        return cls(**kw)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -116,6 +186,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device: torch.device
+    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -150,6 +221,7 @@ class EngineArgs:
     enable_attention_dp: bool = False
     enable_lm_head_tp_in_adp: bool = False
     served_model_name: str | None = None
+    speculative_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -203,4 +275,5 @@ class EngineArgs:
                 enable_lm_head_tp_in_adp=self.enable_lm_head_tp_in_adp,
             ),
             device=device,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
         )

@@ -24,7 +24,11 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         block_size: int,
         num_blocks: int,
+        lookahead: int = 0,
+        speculative: bool = False,
     ) -> None:
+        self.lookahead = lookahead
+        self.speculative = speculative
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -61,7 +65,12 @@ class InputProcessor:
                 f"{room} that remain"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
-        blocks = -(-(len(ids) + max_tokens) // self.block_size)
+        if self.speculative and params.uses_penalties:
+            raise ValueError(
+                "presence_penalty, frequency_penalty and repetition_penalty are not supported "
+                "with speculative decoding on this server"
+            )
+        blocks = -(-(len(ids) + max_tokens + self.lookahead) // self.block_size)
         if blocks > self.num_blocks:
             raise ValueError(
                 f"the request needs {blocks} KV blocks but the whole cache has "

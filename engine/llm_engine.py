@@ -15,7 +15,7 @@ from engine.executor import Executor, make_executor
 from engine.input_processor import ContextLengthExceededError, InputProcessor
 from engine.model_runner import RequestStep, StepInput
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SpecStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 
@@ -62,7 +62,12 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.executor.num_blocks, cc.block_size, cc.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        sc = config.speculative_config
+        self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.block_manager, lookahead=2 * self.num_spec_tokens
+        )
+        self.spec_stats = SpecStats()
         self.input_processor = InputProcessor(
             self.tokenizer,
             mc.vocab_size,
@@ -70,6 +75,8 @@ class LLMEngine:
             self.eos_token_ids,
             cc.block_size,
             self.executor.num_blocks,
+            lookahead=2 * self.num_spec_tokens,
+            speculative=sc is not None,
         )
         self.detok: dict[str, Detokenizer] = {}
         self.prompt_tokens_total = 0
@@ -126,16 +133,22 @@ class LLMEngine:
             r = s.request
             sample = s.samples
             pen = sample and r.params.uses_penalties
+            end = s.start + s.num_new_tokens - s.num_drafts
+            tokens = r.all_token_ids[s.start : end]
+            if s.num_drafts:
+                tokens = tokens + r.spec_token_ids[: s.num_drafts]
             steps.append(
                 RequestStep(
                     request_id=r.request_id,
-                    token_ids=r.all_token_ids[s.start : s.start + s.num_new_tokens],
+                    token_ids=tokens,
                     start=s.start,
                     block_ids=list(r.block_ids),
                     sample=sample,
                     params=r.params if sample else None,
                     prompt_token_ids=r.prompt_token_ids if pen else [],
                     output_token_ids=r.output_token_ids if pen else [],
+                    num_drafts=s.num_drafts,
+                    next_token=r.all_token_ids[end] if end < r.num_tokens else 0,
                 )
             )
         return StepInput(steps, finished)
@@ -158,16 +171,38 @@ class LLMEngine:
             request = by_id[rid]
             if request.is_finished:  # aborted while the step ran
                 continue
-            token = result.token_ids[i]
-            request.append_token(token)
-            self.generation_tokens_total += 1
-            if result.logprobs[i] is not None:
-                request.logprobs.append(result.logprobs[i])
+            emitted = result.token_ids[i]
+            if self.num_spec_tokens:
+                n_drafts = result.num_drafts[i]
+                # KV rewind: rejected draft slots are simply no longer counted as computed.
+                request.num_computed_tokens -= n_drafts - (len(emitted) - 1)
+                if request.spec_stats is None:
+                    request.spec_stats = SpecStats()
+                request.spec_stats.record(n_drafts, len(emitted) - 1)
+                self.spec_stats.record(n_drafts, len(emitted) - 1)
+            lps = result.logprobs[i]
+            status = None
+            for j, token in enumerate(emitted):
+                request.append_token(token)
+                self.generation_tokens_total += 1
+                if lps is not None:
+                    request.logprobs.append(lps[j])
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._check_stop(request, token)
             if status is not None:
                 self.scheduler.finish(request, status)
+            elif self.num_spec_tokens:
+                room = (
+                    min(
+                        request.max_tokens - request.num_output_tokens,
+                        self.max_model_len - request.num_tokens,
+                    )
+                    - 1
+                )
+                request.spec_token_ids = result.draft_token_ids[i][: max(0, room)]
             outputs.append(self._make_output(request))
             if status is not None:
                 self.detok.pop(rid, None)
@@ -210,6 +245,7 @@ class LLMEngine:
         if request.first_token_time is not None:
             metrics["first_token_time"] = request.first_token_time
         return RequestOutput(
+            spec_stats=request.spec_stats,
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import TokenLogprobs
+from engine.request import SpecStats, TokenLogprobs
 
 
 @dataclass
@@ -26,6 +26,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    spec_stats: SpecStats | None = None  # speculative decoding counts, when speculating
 
 
 @dataclass

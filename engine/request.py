@@ -37,6 +37,50 @@ class TokenLogprobs:
 
 
 @dataclass
+class SpecStats:
+    """Speculative-decoding counts. ``num_drafts`` counts verification steps with drafts;
+    tokens per step = (accepted + steps) / steps includes the bonus token; the draft acceptance
+    rate = accepted / draft tokens. Never mixed up."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        self.accepted_per_pos += [0] * (n - len(self.accepted_per_pos))
+        for i, c in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += c
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return (
+            (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
+            if self.num_drafts
+            else 0.0
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -57,6 +101,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    spec_stats: SpecStats | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -22,11 +22,12 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # rows this request contributes to the step
     start: int  # num_computed_tokens before the step
+    num_drafts: int = 0  # trailing rows that are draft tokens to verify
 
     @property
     def samples(self) -> bool:
-        """The step reaches the end of the request's tokens, so its last row is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        """The step reaches the end of the request's tokens, so its last rows are sampled."""
+        return self.start + self.num_new_tokens - self.num_drafts == self.request.num_tokens
 
 
 @dataclass
@@ -45,8 +46,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0
+    ) -> None:
         self.config = config
+        # Speculation: the draft loop writes KV up to 2K positions past the verified tokens.
+        self.lookahead = lookahead
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -101,13 +106,19 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -------------------------------------------------------------- scheduling
 
     def _tokens_for(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        pending = request.num_tokens - request.num_computed_tokens
+        if request.spec_token_ids:
+            if pending == 1 and pending + len(request.spec_token_ids) <= budget:
+                return pending + len(request.spec_token_ids)
+            request.spec_token_ids = []  # no room (or not decoding): verify nothing this step
+        return min(pending, budget)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self.finished_ids)
@@ -122,7 +133,9 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.blocks.allocate(request, request.num_computed_tokens + num_new):
+            while not self.blocks.allocate(
+                request, request.num_computed_tokens + num_new + self.lookahead
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -130,8 +143,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                drafts = max(0, num_new - (request.num_tokens - request.num_computed_tokens))
                 out.scheduled.append(
-                    ScheduledRequest(request, num_new, request.num_computed_tokens)
+                    ScheduledRequest(request, num_new, request.num_computed_tokens, drafts)
                 )
                 budget -= num_new
                 i += 1
@@ -148,7 +162,9 @@ class Scheduler:
                     if request.num_preemptions == 0:
                         request.num_cached_tokens = cached
                 num_new = self._tokens_for(request, budget)
-                if not self.blocks.allocate(request, request.num_computed_tokens + num_new):
+                if not self.blocks.allocate(
+                    request, request.num_computed_tokens + num_new + self.lookahead
+                ):
                     # Wait for running requests to free blocks (the engine rejects requests
                     # larger than the whole cache, so this cannot wait forever).
                     self.blocks.free(request)

@@ -144,7 +144,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
             )
-        self._set_cache(inv_freq, max_position)
+        # Margin: speculative draft steps look up to 2K positions past the last real token.
+        self._set_cache(inv_freq, max_position + 64)
 
     def _set_cache(self, inv_freq: torch.Tensor, max_position: int) -> None:
         t = torch.arange(max_position, dtype=torch.float32)
@@ -231,6 +232,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self, in_features: int, output_sizes: list[int], bias: bool, mapping: ParallelMapping
     ) -> None:
         self.output_sizes = output_sizes
+        for size in output_sizes:  # each output is split on its own, not just their sum
+            divide(size, mapping.tp_size, "output features")
         super().__init__(in_features, sum(output_sizes), bias, mapping)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -344,9 +347,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(
                 f"shape mismatch: checkpoint has {shape}, expected ({self.vocab_size}, {param.shape[1]})"
             )
-        size = min(self.local_vocab, self.vocab_size - self.start)
+        # The last ranks may hold fewer real rows than local_vocab (or none): padding stays 0.
+        size = max(0, min(self.local_vocab, self.vocab_size - self.start))
         param.data.zero_()
-        param.data[:size].copy_(narrow_loaded(loaded, 0, self.start, size).to(param.dtype))
+        if size:
+            param.data[:size].copy_(narrow_loaded(loaded, 0, self.start, size).to(param.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.mapping.tp_size == 1:

@@ -38,13 +38,23 @@ def head_dim_of(config: Any) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, mapping: ParallelMapping, qkv_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        mapping: ParallelMapping,
+        qkv_bias: bool,
+        qk_norm: bool,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, num_kv, qkv_bias, mapping
+            input_size or config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            num_kv,
+            qkv_bias,
+            mapping,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -139,13 +149,13 @@ class LlamaModel(nn.Module):
         ``capture_layers``, the residual stream (hidden + residual) after that layer."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        captured: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta)
             if i in capture_layers:
-                captured.append(hidden + residual)
+                captured[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
-        return hidden, captured
+        return hidden, [captured[i] for i in capture_layers]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -123,3 +123,87 @@ def load_model(
     check_complete(model, loaded, path)
     model.eval()
     return model
+
+
+def _count_mtp_layers(files: list[Path], first: int) -> int:
+    found: set[int] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118
+                parts = name.split(".")
+                if name.startswith("model.layers.") and int(parts[2]) >= first:
+                    found.add(int(parts[2]))
+    return len(found)
+
+
+def load_draft(
+    spec: Any,
+    target: nn.Module,
+    target_path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    mapping: ParallelMapping | None = None,
+) -> nn.Module:
+    """Build and load the draft head named by a ``SpeculativeConfig``, bound to ``target``."""
+    from models.eagle3 import Eagle3Draft
+    from models.mtp import MTPDraft
+
+    mapping = mapping or ParallelMapping()
+    target_config = target.config
+    if spec.method == "eagle3":
+        folder = spec.model
+        config = load_hf_config(folder)
+        archs = set(getattr(config, "architectures", None) or [])
+        if not archs & {"LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}:
+            raise ValueError(
+                f"{folder} is not an Eagle3 draft: architectures {sorted(archs)}; expected "
+                "LlamaForCausalLM or LlamaForCausalLMEagle3"
+            )
+        with default_dtype(dtype), torch.device(device):
+            draft = Eagle3Draft(config, target_config, mapping)
+        draft.bind_target(target)
+        loaded = draft.load_weights(iterate_checkpoint(safetensors_files(folder), "loading draft"))
+        if "lm_head.weight" not in loaded:
+            if draft.draft_vocab_size != int(target_config.vocab_size):
+                raise ValueError(
+                    f"draft checkpoint {folder} has no lm_head.weight and its draft vocabulary "
+                    f"({draft.draft_vocab_size}) differs from the target's, so it cannot borrow it"
+                )
+            draft.lm_head.weight = target.lm_head.weight
+            loaded.add("lm_head.weight")
+        check_complete(draft, loaded, folder)
+        return draft.eval()
+
+    folder = spec.model or target_path
+    config = target_config if spec.model is None else load_hf_config(folder)
+    if int(config.hidden_size) != int(target_config.hidden_size):
+        raise ValueError(
+            f"the MTP draft's hidden_size ({config.hidden_size}) does not match the target's "
+            f"({target_config.hidden_size})"
+        )
+    if int(config.vocab_size) != int(target_config.vocab_size):
+        raise ValueError(
+            f"the MTP draft's vocab_size ({config.vocab_size}) does not match the target's "
+            f"({target_config.vocab_size})"
+        )
+    first = int(config.num_hidden_layers)
+    files = safetensors_files(folder)
+    available = _count_mtp_layers(files, first)
+    if available == 0:
+        raise ValueError(
+            f"{folder} has no MTP layers: expected tensors under model.layers.{first}.* "
+            "(enorm, hnorm, eh_proj, decoder block, shared_head.norm)"
+        )
+    num_layers = 1 if spec.mtp_mode == "eagle" else spec.num_speculative_tokens
+    with default_dtype(dtype), torch.device(device):
+        draft = MTPDraft(
+            config,
+            mapping,
+            num_layers,
+            bool(type(target).qkv_bias or getattr(config, "attention_bias", False)),
+            bool(type(target).qk_norm),
+        )
+    draft.bind_target(target)
+    loaded = draft.load_weights(iterate_checkpoint(files, "loading MTP"), first, available)
+    check_complete(draft, loaded, folder)
+    return draft.eval()

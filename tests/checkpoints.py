@@ -131,3 +131,168 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
         ]
         results.append({"tokens": tokens, "logprobs": logprobs})
     return results
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _write_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+
+
+def zero_residual_writes(folder: Path) -> None:
+    """Make every target layer add nothing to the residual stream (o_proj = down_proj = 0):
+    the next token then depends only on the current one."""
+    state = _read_state(folder)
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = torch.zeros_like(state[name])
+        if name == "model.norm.weight":
+            state[name] = torch.ones_like(state[name])
+    _write_state(folder, state)
+
+
+def add_mtp_layers(
+    folder: Path, num_layers: int = 1, *, perfect: bool = False, seed: int = 1
+) -> None:
+    """Append MTP layers in the DeepSeek layout at ``model.layers.{L + i}``.
+
+    ``perfect``: eh_proj passes the next token's (normed) embedding through and the block adds
+    nothing, so with a zero-residual target the draft predicts exactly what the target will."""
+    cfg = json.loads((folder / "config.json").read_text())
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    state = _read_state(folder)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    dtype = next(iter(state.values())).dtype
+    for i in range(num_layers):
+        p = f"model.layers.{L + i}."
+        layer = {
+            "enorm.weight": torch.ones(h),
+            "hnorm.weight": torch.ones(h),
+            "eh_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+            if perfect
+            else rnd(h, 2 * h),
+            "input_layernorm.weight": torch.ones(h),
+            "self_attn.q_proj.weight": rnd(heads * hd, h),
+            "self_attn.k_proj.weight": rnd(kv * hd, h),
+            "self_attn.v_proj.weight": rnd(kv * hd, h),
+            "self_attn.o_proj.weight": torch.zeros(h, heads * hd)
+            if perfect
+            else rnd(h, heads * hd),
+            "post_attention_layernorm.weight": torch.ones(h),
+            "mlp.gate_proj.weight": rnd(inter, h),
+            "mlp.up_proj.weight": rnd(inter, h),
+            "mlp.down_proj.weight": torch.zeros(h, inter) if perfect else rnd(h, inter),
+            "shared_head.norm.weight": torch.ones(h),
+        }
+        if cfg.get("model_type") == "qwen2":
+            layer.update(
+                {
+                    "self_attn.q_proj.bias": rnd(heads * hd),
+                    "self_attn.k_proj.bias": rnd(kv * hd),
+                    "self_attn.v_proj.bias": rnd(kv * hd),
+                }
+            )
+        if cfg.get("model_type") == "qwen3":
+            layer.update(
+                {
+                    "self_attn.q_norm.weight": torch.ones(hd),
+                    "self_attn.k_norm.weight": torch.ones(hd),
+                }
+            )
+        state.update({p + k: v.to(dtype) for k, v in layer.items()})
+    _write_state(folder, state)
+    cfg["num_nextn_predict_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def build_eagle3_draft(
+    folder: Path,
+    target: Path,
+    *,
+    draft_vocab: int | None = None,
+    seed: int = 2,
+    with_lm_head: bool = True,
+) -> Path:
+    """A random Eagle3 draft head for ``target`` in the public checkpoint layout."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t = json.loads((target / "config.json").read_text())
+    h, heads, kv, inter = (
+        t["hidden_size"],
+        t["num_attention_heads"],
+        t["num_key_value_heads"],
+        t["intermediate_size"],
+    )
+    hd = t.get("head_dim") or h // heads
+    vocab = t["vocab_size"]
+    dv = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    # Draft vocabulary: dv target ids (here: every other id first, then the rest), sorted.
+    chosen = sorted(torch.randperm(vocab, generator=g)[:dv].tolist())
+    d2t = torch.tensor([tid - i for i, tid in enumerate(chosen)], dtype=torch.int64)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[chosen] = True
+    state = {
+        "fc.weight": rnd(h, 3 * h),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.self_attn.q_proj.weight": rnd(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rnd(kv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rnd(kv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rnd(h, heads * hd),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "midlayer.mlp.gate_proj.weight": rnd(inter, h),
+        "midlayer.mlp.up_proj.weight": rnd(inter, h),
+        "midlayer.mlp.down_proj.weight": rnd(h, inter),
+        "norm.weight": torch.ones(h),
+        "d2t": d2t,
+        "t2d": t2d,
+    }
+    if with_lm_head:
+        state["lm_head.weight"] = rnd(dv, h)
+    save_file(state, str(folder / "model.safetensors"))
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "draft_vocab_size": dv,
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rope_theta": (t.get("rope_parameters") or {}).get(
+            "rope_theta", t.get("rope_theta", 10000.0)
+        ),
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

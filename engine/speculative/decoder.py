@@ -1,0 +1,261 @@
+"""The speculative half of one engine step: verify the drafts, then run the draft loop.
+
+Runs inside ``ModelRunner.execute`` after the target forward, entirely on the device: the
+accepted counts feed the step-0 gather ids without a host read, and the step ends with the
+runner's one host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.sampler import SamplingTensors, probs_for_rows
+from engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
+from engine.speculative.verify import accept_matching, rejection_sample
+from kernels.paged_attention import build_attention_plan
+from models.attention import AttentionMetadata
+from models.parallel import ParallelMapping
+
+
+@dataclass
+class VerifyLayout:
+    """Where each sampled request's verify rows sit in the step's rows."""
+
+    rows: Tensor  # [B, K + 1] row index of verify position j (clamped past num_drafts)
+    drafts: Tensor  # [B, K] draft tokens being verified (0-padded)
+    num_drafts: Tensor  # [B]
+    first_row: Tensor  # [B] row of the last accepted token (verify position 0)
+    positions: Tensor  # [B] position of that row
+    block_tables: Tensor  # [B, max_blocks] of the sampled requests
+    max_seq_len: int  # host bound on any sampled request's KV length after the draft loop
+
+
+@dataclass
+class SpecResult:
+    num_accepted: Tensor  # [B]
+    tokens: Tensor  # [B, K + 1] emitted: the first num_accepted + 1
+    new_drafts: Tensor  # [B, K] target-vocabulary draft tokens for the next step
+    logprobs: Tensor | None = None  # [B, K + 1] chosen-token logprobs of the emitted tokens
+    topk_ids: Tensor | None = None  # [B, K + 1, N]
+    topk_logprobs: Tensor | None = None
+
+
+class SpecDecoder:
+    def __init__(
+        self,
+        draft: nn.Module,
+        config: Any,
+        mapping: ParallelMapping,
+        block_size: int,
+        resolver: DraftRowPick = ROW_PICK_RESOLVER,
+    ) -> None:
+        self.draft = draft
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.mapping = mapping
+        self.block_size = block_size
+        self.resolver = resolver
+        self.vanilla = config.method == "mtp" and config.mtp_mode == "vanilla"
+        self.draft_q: dict[str, Tensor] = {}  # request id → [K, V] draft probabilities
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.draft_q.pop(rid, None)
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(
+        self,
+        logits: Tensor,
+        layout: VerifyLayout,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+    ) -> tuple[Tensor, Tensor]:
+        """logits: [B, K + 1, V] → (num_accepted [B], tokens [B, K + 1])."""
+        b, k1, v = logits.shape
+        if meta.all_greedy:
+            return accept_matching(logits.argmax(-1), layout.drafts, layout.num_drafts)
+        flat = _repeat_rows(st, k1)
+        p = probs_for_rows(logits.reshape(b * k1, v), flat).view(b, k1, v)
+        if not meta.use_rejection_sampling:
+            sampled = _sample_rows(p, flat.generators).view(b, k1)
+            return accept_matching(sampled, layout.drafts, layout.num_drafts)
+        q = self._stored_q(request_ids, layout.drafts, v)
+        gens = st.generators
+        uniform = _uniform(b, self.k, gens, logits.device)
+        noise = _exponential((b, k1, v), gens, logits.device)
+        return rejection_sample(p, q, layout.drafts, layout.num_drafts, uniform, noise)
+
+    def _stored_q(self, request_ids: list[str], drafts: Tensor, vocab: int) -> Tensor:
+        """Per-request draft probabilities; one-hot placeholders where none are stored (fresh or
+        argmax-drafted requests), which keeps acceptance exact (strict) for them."""
+        q = F.one_hot(drafts, vocab).to(torch.float32)
+        for i, rid in enumerate(request_ids):
+            stored = self.draft_q.get(rid)
+            if stored is not None and stored.shape == (self.k, vocab):
+                q[i] = stored
+        return q
+
+    # ------------------------------------------------------------------ draft loop
+
+    def propose(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+    ) -> Tensor:
+        """Run the K draft steps; returns [B, K] draft tokens (target vocabulary)."""
+        draft = self.draft
+        # Step 0 runs on every row: each row's input token is the one after it. Rows are shifted
+        # by one; each request's last row takes ``next_tokens`` (the next prompt token for a
+        # chunk that stops mid-prompt), and the row of its last accepted token takes the
+        # correction / bonus token.
+        step_tokens = torch.roll(input_ids, -1)
+        last_rows = target_meta.query_start_loc[1:].long() - 1
+        step_tokens[last_rows] = next_tokens
+        gather_ids = layout.first_row + num_accepted  # [B] rows the loop reads
+        step_tokens[gather_ids] = tokens.gather(1, num_accepted[:, None]).squeeze(1)
+
+        layer0 = draft.layers[0]
+        pick = self.resolver.resolve(
+            layer0,
+            self.mapping,
+            num_draft_layers=getattr(draft, "num_layers", 1),
+            vanilla_mtp=self.vanilla,
+        )
+        if pick:
+            hidden = draft(
+                0, positions, step_tokens, draft_hidden, target_meta, pick_rows=gather_ids
+            )
+        else:
+            hidden = draft(0, positions, step_tokens, draft_hidden, target_meta)[gather_ids]
+
+        advanced = meta.wants_advanced_draft_sampling
+        drafts: list[Tensor] = []
+        qs: list[Tensor] = []
+        pos = layout.positions + num_accepted  # position of the picked row
+        for step in range(self.k):
+            if step > 0:
+                pos = pos + 1
+                step_meta = self._single_row_meta(layout, pos)
+                layer = step if self.vanilla else 0
+                hidden = draft(layer, pos, drafts[-1], hidden, step_meta)
+            logits = draft.compute_logits(step if self.vanilla else 0, hidden).float()
+            token, q = self._draft_token(logits, st, advanced)
+            drafts.append(token)
+            if q is not None:
+                qs.append(q)
+        new_drafts = torch.stack(drafts, dim=1)
+        if advanced:
+            q_all = torch.stack(qs, dim=1)  # [B, K, V]
+            for i, rid in enumerate(request_ids):
+                self.draft_q[rid] = q_all[i]
+        else:
+            self.forget(request_ids)
+        return new_drafts
+
+    def _draft_token(
+        self, logits: Tensor, st: SamplingTensors, advanced: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Argmax, or a sample from q when rejection sampling will need q."""
+        if not advanced:
+            return self.draft.to_target_ids(logits.argmax(-1)), None
+        full = self._to_target_vocab(logits)
+        q = probs_for_rows(full, st)
+        return _sample_rows(q, st.generators), q
+
+    def _to_target_vocab(self, logits: Tensor) -> Tensor:
+        """Scatter draft-vocabulary logits to target positions ``arange(draft_V) + d2t``."""
+        draft = self.draft
+        d2t = getattr(draft, "d2t", None)
+        vocab = int(draft.config.vocab_size)
+        if d2t is None or logits.shape[-1] == vocab:
+            return logits
+        full = logits.new_full((logits.shape[0], vocab), float("-inf"))
+        idx = torch.arange(logits.shape[-1], device=logits.device) + d2t
+        full[:, idx] = logits
+        return full
+
+    def _single_row_meta(self, layout: VerifyLayout, pos: Tensor) -> AttentionMetadata:
+        b = pos.shape[0]
+        bs = self.block_size
+        block = layout.block_tables.gather(
+            1, (pos // bs)[:, None].clamp(max=layout.block_tables.shape[1] - 1)
+        )
+        slots = block.squeeze(1).long() * bs + pos % bs
+        seq_lens = (pos + 1).to(torch.int32)
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=pos.device)
+        plan = None
+        if pos.device.type == "cpu":
+            plan = build_attention_plan(
+                layout.block_tables, seq_lens, qsl, bs, 1, layout.max_seq_len, num_tokens=b
+            )
+        return AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=layout.block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            max_query_len=1,
+            max_seq_len=layout.max_seq_len,
+            plan=plan,
+        )
+
+
+def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """The batch's sampling tensors with every row repeated ``n`` times (verify rows)."""
+    import dataclasses
+
+    def rep(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.repeat_interleave(n, dim=0)
+
+    return dataclasses.replace(
+        st,
+        temperature=rep(st.temperature),
+        top_k=rep(st.top_k),
+        top_p=rep(st.top_p),
+        min_p=rep(st.min_p),
+        presence_penalty=rep(st.presence_penalty),
+        frequency_penalty=rep(st.frequency_penalty),
+        repetition_penalty=rep(st.repetition_penalty),
+        output_token_counts=rep(st.output_token_counts),
+        prompt_token_mask=rep(st.prompt_token_mask),
+        generators=[g for g in st.generators for _ in range(n)],
+    )
+
+
+def _exponential(
+    shape: tuple[int, ...], gens: list[torch.Generator | None], device: torch.device
+) -> Tensor:
+    """Exp(1) noise; row i (first dim) from its request's generator when it has one."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, g in enumerate(gens):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise.clamp_min_(1e-20)
+
+
+def _uniform(b: int, k: int, gens: list[torch.Generator | None], device: torch.device) -> Tensor:
+    u = torch.rand((b, k), device=device)
+    for i, g in enumerate(gens):
+        if g is not None:
+            u[i] = torch.rand((k,), device=device, generator=g)
+    return u
+
+
+def _sample_rows(probs: Tensor, gens: list[torch.Generator | None]) -> Tensor:
+    noise = _exponential(tuple(probs.shape), gens, probs.device)
+    return (probs / noise).argmax(-1)

@@ -1,0 +1,128 @@
+"""Eagle3 draft head: ``fc`` (3H→H) over captured target layers, one Llama-style midlayer whose
+attention reads ``cat[input_layernorm(embed), hidden_norm(h)]`` (2H), ``norm`` and an LM head
+over a reduced draft vocabulary mapped back with ``target_id = draft_id + d2t[draft_id]``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.attention import AttentionMetadata, PagedAttention
+from models.draft import expected_keys, load_named_weights
+from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
+from models.llama import LlamaAttention, LlamaMLP
+from models.parallel import ParallelMapping
+
+
+class Eagle3MidLayer(nn.Module):
+    supports_pick_rows = True
+
+    def __init__(self, config: Any, mapping: ParallelMapping) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(
+            config, mapping, bool(getattr(config, "attention_bias", False)), False, input_size=2 * h
+        )
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = LlamaMLP(h, config.intermediate_size, mapping)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention on every row (it writes the draft KV of each); the rest only on
+        ``pick_rows`` when given. Returns the pre-norm output, [len(pick_rows) or T, H]."""
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        x = self.self_attn(positions, x, meta)
+        if pick_rows is not None:
+            x, residual = x[pick_rows], residual[pick_rows]
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x) + residual
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Any, target_config: Any, mapping: ParallelMapping) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        target_h = int(getattr(config, "target_hidden_size", None) or target_config.hidden_size)
+        if h != target_config.hidden_size:
+            raise ValueError(
+                f"the Eagle3 draft's hidden_size ({h}) does not match the target's "
+                f"({target_config.hidden_size})"
+            )
+        if int(config.vocab_size) != int(target_config.vocab_size):
+            raise ValueError(
+                f"the Eagle3 draft's vocab_size ({config.vocab_size}) does not match the "
+                f"target's ({target_config.vocab_size})"
+            )
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.fc = ReplicatedLinear(3 * target_h, h, False)
+        self.midlayer = Eagle3MidLayer(config, mapping)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(self.draft_vocab_size, h, mapping)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        self.num_layers = int(getattr(config, "num_hidden_layers", 1))
+        self.embed_tokens: nn.Module | None = None  # the target's, bound by bind_target
+
+    def bind_target(self, target: nn.Module) -> None:
+        """Share the target's embedding (not registered: it is not a draft parameter)."""
+        object.__setattr__(self, "embed_tokens", target.model.embed_tokens)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [self.midlayer]
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [self.midlayer.self_attn.attn]
+
+    def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
+        """fc over the concatenated captured target states: [T, 3H] → [T, H]."""
+        return self.fc(torch.cat(captured, dim=-1))
+
+    def forward(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert self.embed_tokens is not None
+        embeds = self.embed_tokens(token_ids)
+        if pick_rows is None:
+            return self.midlayer(positions, embeds, hidden, meta)
+        return self.midlayer(positions, embeds, hidden, meta, pick_rows=pick_rows)
+
+    def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, draft_V]."""
+        return self.lm_head.compute_logits(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        def rename(name: str) -> list[str] | None:
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if name in ("t2d", "embed_tokens.weight") or "rotary_emb" in name:
+                return None
+            if name.startswith("layers.0."):  # some exports name the midlayer layers.0
+                name = "midlayer." + name[len("layers.0.") :]
+            return [name]
+
+        return load_named_weights(self, weights, rename)
+
+    def expected_weights(self) -> set[str]:
+        return expected_keys(self) | {"d2t"}

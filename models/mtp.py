@@ -1,0 +1,135 @@
+"""MTP draft layers in the DeepSeek-V3 layout, over a Llama-family decoder block:
+``eh_proj(cat[enorm(embed(next_token)), hnorm(h)])`` → decoder block → ``shared_head.norm`` →
+the target's LM head. Embedding and LM head are shared with the target."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.attention import AttentionMetadata, PagedAttention
+from models.draft import expected_keys, load_named_weights
+from models.layers import ReplicatedLinear, RMSNorm
+from models.llama import LlamaAttention, LlamaMLP
+from models.parallel import ParallelMapping
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class MTPLayer(nn.Module):
+    supports_pick_rows = True
+
+    def __init__(
+        self, config: Any, mapping: ParallelMapping, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = ReplicatedLinear(2 * h, h, False)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = LlamaAttention(config, mapping, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = LlamaMLP(h, config.intermediate_size, mapping)
+        self.shared_head = SharedHead(h, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention on every row (it writes this layer's KV for each); residual, norm and MLP
+        only on ``pick_rows`` when given. Returns the pre-norm output."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        residual = x
+        x = self.self_attn(positions, self.input_layernorm(x), meta)
+        if pick_rows is not None:
+            x, residual = x[pick_rows], residual[pick_rows]
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x) + residual
+
+
+class MTPDraft(nn.Module):
+    """``num_layers`` MTP layers: 1 for MTP-Eagle (reused K times), K for vanilla MTP."""
+
+    def __init__(
+        self, config: Any, mapping: ParallelMapping, num_layers: int, qkv_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = num_layers
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(config, mapping, qkv_bias, qk_norm) for _ in range(num_layers)
+        )
+        self.embed_tokens: nn.Module | None = None  # the target's, bound by bind_target
+        self.lm_head: nn.Module | None = None
+        self.draft_vocab_size = int(config.vocab_size)
+
+    def bind_target(self, target: nn.Module) -> None:
+        """Share the target's embedding and LM head (not registered as draft parameters)."""
+        object.__setattr__(self, "embed_tokens", target.model.embed_tokens)
+        object.__setattr__(self, "lm_head", target.lm_head)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.mtp_layers)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.mtp_layers]
+
+    def forward(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert self.embed_tokens is not None
+        layer = self.mtp_layers[layer_index]
+        embeds = self.embed_tokens(token_ids)
+        if pick_rows is None:
+            return layer(positions, embeds, hidden, meta)
+        return layer(positions, embeds, hidden, meta, pick_rows=pick_rows)
+
+    def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None
+        return self.lm_head.compute_logits(self.mtp_layers[layer_index].shared_head.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int
+    ) -> set[str]:
+        """Checkpoint layers ``model.layers.{first_layer + i}``; layer i of ours reads checkpoint
+        layer min(i, num_ckpt_layers - 1), so a one-layer checkpoint backs all K vanilla layers."""
+
+        def rename(name: str) -> list[str] | None:
+            if not name.startswith("model.layers."):
+                return None
+            parts = name.split(".")
+            idx = int(parts[2]) - first_layer
+            if not 0 <= idx < num_ckpt_layers:
+                return None
+            rest = ".".join(parts[3:])
+            if rest.startswith(("embed_tokens.", "shared_head.head.")) or "rotary_emb" in rest:
+                return None
+            ours = [i for i in range(self.num_layers) if min(i, num_ckpt_layers - 1) == idx]
+            return [f"mtp_layers.{i}.{rest}" for i in ours]
+
+        return load_named_weights(self, weights, rename)
+
+    def expected_weights(self) -> set[str]:
+        return expected_keys(self)
