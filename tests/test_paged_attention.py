@@ -1,0 +1,408 @@
+"""Paged attention: CPU PyTorch path and Triton kernel (interpreter) against the reference loop.
+
+The Triton interpreter must be switched on before `triton` is first imported. On a CPU machine
+this module does that (importing torch does not import triton). If another test module imported
+triton earlier in this pytest process, or on a CUDA machine (where interpreting every kernel in
+the process would be wrong), the in-process interpreter tests skip and
+`test_triton_in_fresh_interpreter` re-runs them in a subprocess with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
+
+from kernels.paged_attention import (  # noqa: E402
+    HAS_TRITON,
+    _paged_attention_torch,
+    build_attention_plan,
+    paged_attention,
+    paged_attention_reference,
+    triton_interpreter_enabled,
+    write_kv_cache,
+)
+
+INTERPRETER = triton_interpreter_enabled()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER,
+    reason="Triton interpreter not active in this process; see test_triton_in_fresh_interpreter",
+)
+
+# (context_len, query_len) per sequence; seq_len = context_len + query_len.
+SCENARIOS = {
+    "prefill": [(0, 7), (0, 12), (0, 1)],
+    "chunked_prefill": [(5, 6), (16, 9), (3, 16)],
+    "decode": [(9, 1), (0, 1), (30, 1), (16, 1)],
+    "verify": [(8, 4), (13, 4), (2, 4)],  # speculative K + 1 = 4 rows per sequence
+    "mixed": [(0, 7), (5, 6), (9, 1), (13, 4), (30, 1)],
+}
+HEADS = {"gqa": (8, 2), "mqa": (4, 1), "mha": (4, 4)}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+    max_query_len: int
+    max_seq_len: int
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+        )
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    """Random cache filled everywhere (so stray reads show), shuffled non-contiguous blocks,
+    garbage (negative or out-of-range) block-table entries past each sequence's blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in specs]
+    blocks_per_seq = [max(1, math.ceil(s / block_size)) for s in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1  # one unused column at least
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.randint(
+        -(2**20), 2**20, (len(specs), max_blocks), generator=gen, dtype=torch.int32
+    )
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    num_tokens = sum(q for _, q in specs)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    qsl = [0]
+    for _, ql in specs:
+        qsl.append(qsl[-1] + ql)
+    return Batch(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        scale=head_dim**-0.5,
+        max_query_len=max(q for _, q in specs),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle itself
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reference_matches_dense_causal_attention():
+    # One sequence in contiguous blocks == plain causal SDPA over the dense K/V.
+    b = make_batch([(0, 10)], 4, 2, 16, block_size=4)
+    slots = b.block_tables[0, torch.arange(10) // 4].long() * 4 + torch.arange(10) % 4
+    k = b.k_cache.flatten(0, 1)[slots].repeat_interleave(2, dim=1)  # [10, 4, 16]
+    v = b.v_cache.flatten(0, 1)[slots].repeat_interleave(2, dim=1)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        b.q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(paged_attention_reference(*b.args()), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_row_sees_whole_context():
+    # A decode row attends to every cached position: changing any one of them changes it.
+    b = make_batch([(11, 1)], 2, 2, 16, block_size=4)
+    before = paged_attention_reference(*b.args())
+    blk = b.block_tables[0, 0].item()
+    b.v_cache[blk, 0] += 10.0  # position 0
+    after = paged_attention_reference(*b.args())
+    assert not torch.allclose(before, after)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU PyTorch path
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("head_dim", [16, 48])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_torch_path_matches_reference(scenario, heads, block_size, head_dim, dtype):
+    num_heads, num_kv_heads = HEADS[heads]
+    seed = list(SCENARIOS).index(scenario) * 1000 + list(HEADS).index(heads) * 100 + head_dim
+    b = make_batch(SCENARIOS[scenario], num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    out = paged_attention(*b.args())
+    assert_close(out, paged_attention_reference(*b.args()), dtype)
+
+
+def test_torch_path_is_causal_within_chunk():
+    # Query row j of a chunk must not see positions after it: perturbing the last position
+    # changes only the last row.
+    b = make_batch([(5, 6)], 4, 2, 16, block_size=4)
+    before = paged_attention(*b.args())
+    last = 10
+    blk = b.block_tables[0, last // 4].item()
+    b.v_cache[blk, last % 4] += 10.0
+    after = paged_attention(*b.args())
+    torch.testing.assert_close(after[:5], before[:5], atol=0, rtol=0)
+    assert not torch.allclose(after[5], before[5])
+
+
+def test_torch_path_sequence_without_query_rows():
+    # Padding sequences (no query rows, even no KV) must not disturb the others or make NaN.
+    specs = [(6, 3), (5, 0), (0, 0), (9, 1)]
+    b = make_batch(specs, 8, 2, 16, block_size=4)
+    out = paged_attention(*b.args())
+    assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_torch_path_accepts_q_sliced_from_fused_qkv(scenario):
+    # Models slice q out of a fused qkv projection: rows are strided, head_dim is contiguous.
+    b = make_batch(SCENARIOS[scenario], 8, 2, 16, block_size=4)
+    qkv = torch.cat([b.q.flatten(1), torch.randn(b.q.shape[0], 2 * 2 * 16)], dim=1)
+    q = qkv[:, : 8 * 16].view(b.q.shape)
+    assert not q.is_contiguous()
+    out = paged_attention(q, *b.args()[1:])
+    assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+def test_plan_is_reused_across_layers():
+    b = make_batch(SCENARIOS["mixed"], 8, 2, 48, block_size=4)
+    plan = build_attention_plan(
+        b.block_tables, b.seq_lens, b.query_start_loc, 4, b.max_query_len, b.max_seq_len
+    )
+    assert plan.num_tokens == b.q.shape[0]
+    for layer in range(3):  # other layers: same metadata, different q and caches
+        gen = torch.Generator().manual_seed(100 + layer)
+        q = torch.randn(b.q.shape, generator=gen)
+        k_cache = torch.randn(b.k_cache.shape, generator=gen)
+        v_cache = torch.randn(b.v_cache.shape, generator=gen)
+        args = (q, k_cache, v_cache, *b.args()[3:])
+        with_plan = paged_attention(*args, plan=plan)
+        without = paged_attention(*args)
+        assert torch.equal(with_plan, without)
+        assert_close(with_plan, paged_attention_reference(*args), torch.float32)
+
+
+def test_plan_for_other_batch_is_rejected():
+    b = make_batch(SCENARIOS["decode"], 4, 2, 16, block_size=4)
+    other = make_batch(SCENARIOS["verify"], 4, 2, 16, block_size=4)
+    plan = build_attention_plan(
+        other.block_tables,
+        other.seq_lens,
+        other.query_start_loc,
+        4,
+        other.max_query_len,
+        other.max_seq_len,
+    )
+    with pytest.raises(ValueError, match="plan was built for"):
+        paged_attention(*b.args(), plan=plan)
+
+
+def test_head_count_not_multiple_of_kv_heads_is_rejected():
+    b = make_batch([(3, 2)], 6, 4, 16, block_size=4)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention(*b.args())
+
+
+def test_auto_dispatch_on_cpu_uses_torch_path():
+    b = make_batch(SCENARIOS["mixed"], 8, 2, 16, block_size=4)
+    plan = build_attention_plan(
+        b.block_tables, b.seq_lens, b.query_start_loc, 4, b.max_query_len, b.max_seq_len
+    )
+    expected = _paged_attention_torch(b.q, b.k_cache, b.v_cache, plan, b.scale)
+    assert torch.equal(paged_attention(*b.args()), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# write_kv_cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_write(use_triton: bool, dtype: torch.dtype) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 48
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([5, -1, 0, 23, -1, 12, 13], dtype=torch.int64)
+    k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    write_kv_cache(k, v, k_cache, v_cache, slots, use_triton=use_triton)
+
+    k_expected, v_expected = k_before.flatten(0, 1), v_before.flatten(0, 1)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_expected[slot], v_expected[slot] = k[i], v[i]
+    assert torch.equal(k_cache.flatten(0, 1), k_expected)
+    assert torch.equal(v_cache.flatten(0, 1), v_expected)
+    # Slot 23 is the last slot of block 5, position 3: the layout contract.
+    assert torch.equal(k_cache[5, 3], k[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_write_kv_cache_torch(dtype):
+    _check_write(use_triton=False, dtype=dtype)
+
+
+def test_write_then_attend_round_trip():
+    # Writing a chunk's K/V through slot mapping and attending gives the reference answer.
+    b = make_batch([(5, 3), (0, 4)], 4, 2, 16, block_size=4)
+    slots = []
+    for i, (ctx, ql) in enumerate([(5, 3), (0, 4)]):
+        for p in range(ctx, ctx + ql):
+            slots.append(b.block_tables[i, p // 4].item() * 4 + p % 4)
+    k_new = torch.randn(len(slots), 2, 16)
+    v_new = torch.randn(len(slots), 2, 16)
+    write_kv_cache(k_new, v_new, b.k_cache, b.v_cache, torch.tensor(slots))
+    assert torch.equal(b.k_cache.flatten(0, 1)[slots], k_new)
+    assert_close(paged_attention(*b.args()), paged_attention_reference(*b.args()), torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel through the interpreter
+# ---------------------------------------------------------------------------------------------
+
+TRITON_CASES = [
+    # scenario, heads, block_size, head_dim, dtype
+    ("prefill", "gqa", 4, 16, torch.float32),
+    ("chunked_prefill", "mha", 16, 48, torch.float32),
+    ("decode", "mqa", 4, 48, torch.float32),
+    ("decode", "gqa", 16, 16, torch.float32),
+    ("verify", "gqa", 4, 48, torch.float32),
+    ("mixed", "gqa", 4, 16, torch.float32),
+    ("mixed", "mqa", 16, 48, torch.float32),
+    ("mixed", "mha", 4, 16, torch.float16),
+    ("mixed", "gqa", 16, 48, torch.bfloat16),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("scenario", "heads", "block_size", "head_dim", "dtype"),
+    TRITON_CASES,
+    ids=["-".join(map(str, c[:4])) + "-" + dtype_id(c[4]) for c in TRITON_CASES],
+)
+def test_triton_matches_reference(scenario, heads, block_size, head_dim, dtype):
+    num_heads, num_kv_heads = HEADS[heads]
+    b = make_batch(SCENARIOS[scenario], num_heads, num_kv_heads, head_dim, block_size, dtype, 3)
+    out = paged_attention(*b.args(), use_triton=True)
+    assert_close(out, paged_attention_reference(*b.args()), dtype)
+
+
+@needs_interpreter
+def test_triton_sequence_without_query_rows():
+    specs = [(6, 3), (5, 0), (0, 0), (9, 1)]
+    b = make_batch(specs, 8, 2, 16, block_size=4)
+    out = paged_attention(*b.args(), use_triton=True)
+    assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+@needs_interpreter
+def test_triton_accepts_q_sliced_from_fused_qkv():
+    b = make_batch(SCENARIOS["mixed"], 8, 2, 16, block_size=4)
+    qkv = torch.cat([b.q.flatten(1), torch.randn(b.q.shape[0], 2 * 2 * 16)], dim=1)
+    q = qkv[:, : 8 * 16].view(b.q.shape)
+    out = paged_attention(q, *b.args()[1:], use_triton=True)
+    assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+@needs_interpreter
+def test_triton_long_chunk_spans_several_query_blocks():
+    # 40 query rows x GQA group 4 > one program's 16 rows: exercises the query-block grid axis.
+    b = make_batch([(7, 40), (0, 1)], 8, 2, 16, block_size=16)
+    out = paged_attention(*b.args(), use_triton=True)
+    assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+def test_write_kv_cache_triton(dtype):
+    _check_write(use_triton=True, dtype=dtype)
+
+
+def _run_pytest_subprocess(selector: str, env: dict[str, str]) -> int:
+    """Run this module's tests matching `selector` in a fresh interpreter; return # passed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selector, __file__],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    match = re.search(r"(\d+) passed", proc.stdout)
+    return int(match.group(1)) if match else 0
+
+
+@pytest.mark.skipif(INTERPRETER or not HAS_TRITON, reason="Triton tests ran in this process")
+def test_triton_in_fresh_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    passed = _run_pytest_subprocess("triton and not cuda", env)
+    assert passed >= len(TRITON_CASES) + 5
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (compiled Triton)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+def test_triton_cuda_matches_reference(dtype):
+    if INTERPRETER:  # this process interprets Triton; check the compiled kernel in a fresh one
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        selector = f"test_triton_cuda_matches_reference and {dtype_id(dtype)}"
+        assert _run_pytest_subprocess(selector, env) == 1
+        return
+    b = make_batch(SCENARIOS["mixed"], 8, 2, 128, 16, dtype, seed=5)
+    ref = paged_attention_reference(*b.args())
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in b.args()]
+    out = paged_attention(*cuda_args)
+    assert_close(out.cpu(), ref, dtype)
