@@ -62,12 +62,13 @@ class LLM:
         except BaseException:
             self.engine.abort_request([rid for rid, _, _ in pending if rid not in final])
             raise
+        by_prompt: list[list[RequestOutput]] = [[] for _ in prompts]
+        for rid, i, _ in pending:  # pending is in (prompt, sample) order
+            by_prompt[i].append(final[rid])
         results: list[RequestOutput] = []
-        for i in range(len(prompts)):
-            samples = [final[rid] for rid, pi, _ in pending if pi == i]
-            first = samples[0]
+        for i, samples in enumerate(by_prompt):
             outputs = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
-            results.append(dataclasses.replace(first, request_id=str(i), outputs=outputs))
+            results.append(dataclasses.replace(samples[0], request_id=str(i), outputs=outputs))
         return results
 
     def shutdown(self) -> None:

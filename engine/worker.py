@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, StepInput, StepOutput
-from models.loader import load_model
+from engine.speculative.decoder import SpecDecoder
+from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
 
 logger = logging.getLogger(__name__)
@@ -35,17 +37,47 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return blocks
 
 
+def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
+    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4)."""
+    layers = getattr(spec, "eagle3_layers_to_capture", None)
+    if layers is None:
+        eagle = getattr(draft_config, "eagle_config", None) or {}
+        layers = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    if layers is None:
+        layers = (1, num_layers // 2 - 1, num_layers - 4)
+    layers = tuple(max(0, min(int(i), num_layers - 1)) for i in layers)
+    if len(layers) != 3:
+        raise ValueError(f"eagle3_layers_to_capture={layers} must name 3 target layers")
+    return layers
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, mapping: ParallelMapping | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        mapping: ParallelMapping | None = None,
+        agree_num_blocks: Callable[[int], int] | None = None,
+    ) -> None:
+        """``agree_num_blocks`` maps this rank's KV block count to the one all ranks use."""
         self.config = config
         self.mapping = mapping or ParallelMapping()
         mc = config.model_config
         self.model = load_model(mc.model, mc.dtype, config.device, self.mapping, mc.hf_config)
+        spec = None
+        capture: tuple[int, ...] = ()
+        sc = config.speculative_config
+        if sc is not None:
+            draft = load_draft(sc, self.model, mc.model, mc.dtype, config.device, self.mapping)
+            spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
+            if sc.method == "eagle3":
+                capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
         self.runner = ModelRunner(
-            self.model, config.device, config.cache_config.block_size, mc.seed
+            self.model, config.device, config.cache_config.block_size, mc.seed, spec, capture
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
+        if agree_num_blocks is not None:
+            self.num_blocks = agree_num_blocks(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, mc.dtype)
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",

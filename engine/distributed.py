@@ -1,0 +1,159 @@
+"""Process groups for multi-rank execution, set up from one place.
+
+Two groups per replica:
+
+- ``tensor``: the collectives parallel layers run in every forward (all-reduce, all-gather).
+  NCCL on CUDA, gloo on CPU. Its timeout bounds how long a dead or hung peer can stall a step.
+- ``control``: always gloo (CPU tensors, pickled objects): step broadcasts from rank 0 and
+  start-up agreement (KV block count). Ranks wait on it between steps for as long as the server
+  idles, so its timeout is effectively unbounded; a dead peer shows up there as a closed
+  connection, and a worker whose parent died is ended by ``start_parent_watchdog``.
+
+Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; a launch
+by ``torchrun`` (or any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+``RANK``) uses the standard ``env://`` rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "TANDEM_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+# Waiting for the next step is not a failure, however long the server idles.
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def collective_timeout(timeout_s: float | None = None) -> timedelta:
+    """Timeout of tensor collectives and of the rendezvous: ``timeout_s``, else
+    ``$TANDEM_DIST_TIMEOUT_S``, else 60 s."""
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        try:
+            timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is invalid: a number of seconds > 0") from None
+    if not timeout_s > 0:
+        raise ValueError(f"distributed timeout={timeout_s!r} is invalid: a number of seconds > 0")
+    return timedelta(seconds=timeout_s)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """This process's place in a world started by an external launcher (torchrun, srun, ...)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls) -> LaunchEnv | None:
+        """The launcher's environment, or None when this process was not started by one."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ValueError(
+                f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; set all of "
+                "MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (or launch with torchrun)"
+            )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return cls(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    tensor: Any  # dist.ProcessGroup: NCCL on CUDA, gloo on CPU
+    control: Any  # dist.ProcessGroup: gloo
+
+
+def local_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's rendezvous store on 127.0.0.1; port 0 lets the OS pick a free port (``.port``)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
+def connect_store(port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """CUDA ranks take one device each (by local rank); CPU ranks share the host."""
+    if device.type != "cuda":
+        return device
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} needs cuda:{local_rank} but only "
+            f"{torch.cuda.device_count()} CUDA devices are visible"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout: timedelta,
+    store: dist.Store | None = None,
+) -> ProcessGroups:
+    """Join the world (``store`` given: local spawn; else ``env://``) and build both groups."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized in this process; "
+            "run one multi-rank engine per process"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kw: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kw)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    logger.info("rank %d/%d joined (%s for tensors, gloo for control)", rank, world_size, backend)
+    return ProcessGroups(tensor=dist.group.WORLD, control=control)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_min(value: int, group: Any) -> int:
+    """The smallest ``value`` over the ranks of ``group`` (a gloo group)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def broadcast_object(obj: Any, group: Any) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` (pickled; gloo, CPU)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def start_parent_watchdog(exit_code: int = 3) -> None:
+    """End this (spawned) process as soon as its parent is gone, even while the main thread is
+    blocked inside a collective: a worker must never outlive the engine that started it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.error("parent process %s exited; rank process %d exits", parent.pid, os.getpid())
+        os._exit(exit_code)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -1,0 +1,324 @@
+"""The engine process: build the engine, warm up, report ready, then run the step loop.
+
+The API process talks to this loop through two queues of the message types below. The loop
+blocks on its input queue only when it has nothing to run; otherwise it drains what arrived,
+runs one ``step()`` and sends that step's outputs in one message together with a stats snapshot
+and a heartbeat timestamp. When idle it still sends a heartbeat every ``heartbeat_interval_s``,
+so the API process can tell a busy engine from a dead or hung one.
+
+A step that raises fails the requests it was running (``RequestsFailed``) and the loop carries
+on; after ``max_consecutive_failures`` failing steps in a row it reports ``EngineDead`` and the
+process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.config import EngineArgs
+from engine.input_processor import InputProcessor
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WARMUP_REQUEST_PREFIX = "__tandem_warmup__"
+# generation_config.json keys that become per-request sampling defaults (HF name -> ours).
+GENERATION_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+# ------------------------------------------------------------------ messages: API -> engine
+
+
+@dataclass
+class AddRequests:
+    requests: list[Request]  # validated by the API process's InputProcessor
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ------------------------------------------------------------------ messages: engine -> API
+
+
+@dataclass
+class EngineInfo:
+    """What the API process needs to know about the engine once it is ready."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    served_model_name: str
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0
+    # The engine's own validator without its tokenizer: the API process validates exactly as
+    # the engine would (KV lookahead, speculation limits, ...), with its own tokenizer.
+    input_processor: InputProcessor | None = None
+
+
+@dataclass
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass
+class StepOutputs:
+    """One step's outputs (possibly none: then it is a heartbeat) and the stats after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    timestamp: float  # time.time() when sent
+
+
+@dataclass
+class RequestsFailed:
+    request_ids: list[str]
+    message: str
+
+
+@dataclass
+class EngineDead:
+    message: str
+
+
+class QueueLike(Protocol):
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+class EngineLike(Protocol):
+    """The part of ``LLMEngine`` the loop uses (tests substitute a fake)."""
+
+    def add_request(self, request_id: str, prompt: Request) -> Request: ...
+
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """Sampling defaults a checkpoint's generation_config.json asks for (only keys it sets)."""
+    out: dict[str, Any] = {}
+    for hf_key, key in GENERATION_DEFAULT_KEYS.items():
+        value = generation_config.get(hf_key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+_COUNTERS = (
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
+
+
+def stats_since(base: EngineStats | None, now: EngineStats) -> EngineStats:
+    """``now`` with counters measured from ``base`` (so warm-up work is not counted)."""
+    if base is None:
+        return now
+    return dataclasses.replace(now, **{k: getattr(now, k) - getattr(base, k) for k in _COUNTERS})
+
+
+def warm_up(engine: Any) -> None:
+    """Run a greedy and a seeded random dummy request through every stage once."""
+    vocab = int(engine.config.model_config.vocab_size)
+    prompt = [i % vocab for i in range(1, 9)]
+    variants = [
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=2, ignore_eos=True),
+    ]
+    for i, params in enumerate(variants):
+        engine.add_request(f"{WARMUP_REQUEST_PREFIX}{i}", prompt, params)
+    for _ in range(64):  # two tokens each: a few steps at most
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the warm-up requests did not finish")
+    # The warm-up's prompt blocks must not be served as a cache hit to users.
+    engine.block_manager.reset_prefix_cache()
+
+
+def _drain(in_q: QueueLike, block: bool, timeout: float) -> list[Any]:
+    msgs: list[Any] = []
+    if block:
+        try:
+            msgs.append(in_q.get(timeout=timeout))
+        except queue.Empty:
+            return msgs
+    while True:
+        try:
+            msgs.append(in_q.get(block=False))
+        except queue.Empty:
+            return msgs
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def run_engine_loop(
+    engine: EngineLike,
+    in_q: QueueLike,
+    out_q: QueueLike,
+    *,
+    heartbeat_interval_s: float = 0.5,
+    max_consecutive_failures: int = 3,
+    base_stats: EngineStats | None = None,
+    parent_pid: int | None = None,
+) -> int:
+    """Serve until ``Shutdown`` (returns 0) or until the engine cannot go on (returns 1)."""
+    live: set[str] = set()  # requests added and not yet finished or aborted
+    failures = 0
+    last_sent = 0.0
+    while True:
+        idle = not engine.has_unfinished_requests()
+        msgs = _drain(in_q, block=idle, timeout=heartbeat_interval_s)
+        for msg in msgs:
+            if isinstance(msg, Shutdown):
+                return 0
+            if isinstance(msg, AddRequests):
+                for request in msg.requests:
+                    try:
+                        engine.add_request(request.request_id, request)
+                        live.add(request.request_id)
+                    except Exception as e:  # e.g. a duplicate id: fail this request only
+                        out_q.put(RequestsFailed([request.request_id], str(e)))
+            elif isinstance(msg, AbortRequests):
+                engine.abort_request(msg.request_ids)
+                live.difference_update(msg.request_ids)
+            else:
+                logger.error("engine loop got an unknown message: %r", msg)
+        if parent_pid is not None and os.getppid() != parent_pid:
+            logger.error("the API process is gone; the engine exits")
+            return 1
+
+        outputs: list[RequestOutput] = []
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+                failures = 0
+            except Exception as e:
+                failures += 1
+                logger.exception("engine step failed (%d in a row)", failures)
+                failed = sorted(live)
+                live.clear()
+                message = f"the engine failed while running this request: {type(e).__name__}: {e}"
+                try:
+                    engine.abort_request(failed)
+                except Exception:
+                    logger.exception("aborting the failed requests failed too")
+                    out_q.put(RequestsFailed(failed, message))
+                    out_q.put(EngineDead(f"engine state is broken after: {message}"))
+                    return 1
+                out_q.put(RequestsFailed(failed, message))
+                if failures >= max_consecutive_failures:
+                    out_q.put(EngineDead(f"{failures} engine steps failed in a row; last: {e}"))
+                    return 1
+                continue
+            for out in outputs:
+                if out.finished:
+                    live.discard(out.request_id)
+
+        now = time.monotonic()
+        if outputs or msgs or now - last_sent >= heartbeat_interval_s:
+            out_q.put(
+                StepOutputs(outputs, stats_since(base_stats, engine.get_stats()), time.time())
+            )
+            last_sent = now
+
+
+def run_engine_core(
+    engine_args: EngineArgs,
+    in_q: QueueLike,
+    out_q: QueueLike,
+    log_level: str = "INFO",
+    heartbeat_interval_s: float = 0.5,
+) -> None:
+    """Entry point of the engine process (spawned by ``AsyncLLM``)."""
+    from engine.llm_engine import LLMEngine
+
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+    )
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+        warm_up(engine)
+        mc = engine.config.model_config
+        info = EngineInfo(
+            num_blocks=engine.block_manager.num_blocks,
+            block_size=engine.config.cache_config.block_size,
+            max_model_len=engine.max_model_len,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=frozenset(engine.eos_token_ids),
+            served_model_name=mc.served_model_name,
+            generation_defaults=generation_defaults(engine.generation_config),
+            pid=os.getpid(),
+            input_processor=copy.copy(engine.input_processor),
+        )
+        info.input_processor.tokenizer = None
+        base = engine.get_stats()
+    except Exception as e:
+        logger.exception("engine start-up failed")
+        out_q.put(EngineDead(f"engine start-up failed: {type(e).__name__}: {e}"))
+        sys.exit(1)
+    out_q.put(EngineReady(info))
+    logger.info("engine ready: %d KV blocks, max_model_len %d", info.num_blocks, info.max_model_len)
+    code = 1
+    try:
+        code = run_engine_loop(
+            engine,
+            in_q,
+            out_q,
+            heartbeat_interval_s=heartbeat_interval_s,
+            base_stats=base,
+            parent_pid=parent_pid,
+        )
+    except Exception as e:
+        logger.exception("engine loop crashed")
+        out_q.put(EngineDead(f"engine loop crashed: {type(e).__name__}: {e}"))
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+    sys.exit(code)

@@ -1,0 +1,206 @@
+"""``tandem`` command line: ``tandem serve MODEL [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from server import __version__
+
+logger = logging.getLogger("tandem")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+# After the engine dies, /health answers 503 for this long before the server exits non-zero.
+ENGINE_DEAD_EXIT_DELAY_S = 5.0
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _size(text: str) -> int:
+    """'512MiB', '2GiB', '1e9' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument("model", nargs="?", default=None, help="local Hugging Face model folder")
+
+    http = s.add_argument_group("HTTP server")
+    http.add_argument("--host", default=DEFAULT_HOST)
+    http.add_argument("--port", type=int, default=DEFAULT_PORT)
+    http.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $TANDEM_API_KEY)",
+    )
+    http.add_argument(
+        "--served-model-name", nargs="+", default=None, help="name(s) clients use for the model"
+    )
+    http.add_argument("--chat-template", default=None, help="Jinja chat template file")
+    http.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    http.add_argument(
+        "--ready-timeout", type=float, default=900.0, help="seconds to wait for the engine to load"
+    )
+    http.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a word from the engine (one step) before it counts as hung",
+    )
+
+    eng = s.add_argument_group("engine")
+    eng.add_argument("--tokenizer", default=None)
+    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--device", default="auto")
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--max-num-seqs", type=int, default=64)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None)
+    eng.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests queued beyond --max-num-seqs before new ones get 503",
+    )
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument(
+        "--kv-cache-memory", type=_size, default=1 << 30, help="CPU KV cache budget, e.g. 2GiB"
+    )
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    eng.add_argument("--num-kv-blocks", type=int, default=None)
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+    par = s.add_argument_group("parallelism and speculation (not supported yet)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    par.add_argument("--enable-attention-dp", action="store_true")
+    par.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": ...}'")
+    return parser
+
+
+def engine_args_from(ns: argparse.Namespace) -> Any:
+    """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do)."""
+    from engine.config import EngineArgs
+
+    if ns.model is None:
+        raise ValueError(
+            "no MODEL given: pass a local Hugging Face model folder, e.g. "
+            "`tandem serve ./SmolLM2-135M-Instruct` (a built-in default model comes later)"
+        )
+    if ns.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported yet; use 1"
+        )
+    if ns.enable_attention_dp:
+        raise ValueError("--enable-attention-dp is not supported yet")
+    if ns.speculative_config is not None:
+        try:
+            json.loads(ns.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        raise ValueError("--speculative-config is not supported yet")
+    names = ns.served_model_name or []
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        dtype=ns.dtype,
+        device=ns.device,
+        seed=ns.seed,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_waiting_requests=ns.max_waiting_requests,
+        block_size=ns.block_size,
+        kv_cache_memory_bytes=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        num_kv_blocks=ns.num_kv_blocks,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        enable_attention_dp=ns.enable_attention_dp,
+        served_model_name=names[0] if names else None,
+    )
+
+
+def serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import build_app
+    from server.state import ServerSettings
+
+    level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = engine_args_from(ns)
+    holder: dict[str, Any] = {}
+
+    def on_engine_dead(reason: str) -> None:
+        holder["dead"] = reason
+        server = holder.get("server")
+        if server is None:
+            return
+        logger.error("the engine is gone (%s); exiting in %.0f s", reason, ENGINE_DEAD_EXIT_DELAY_S)
+
+        def stop() -> None:
+            server.should_exit = True
+
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, stop)
+
+    settings = ServerSettings(
+        api_key=ns.api_key or None,
+        served_model_names=list(ns.served_model_name or []),
+        chat_template=ns.chat_template,
+        ready_timeout_s=ns.ready_timeout,
+        heartbeat_timeout_s=ns.engine_heartbeat_timeout,
+        log_level=level,
+        on_engine_dead=on_engine_dead,
+    )
+    try:
+        app = build_app(engine_args, settings)
+    except OSError as e:  # e.g. a folder without tokenizer files
+        raise ValueError(f"cannot load {engine_args.model}: {e}") from e
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(config)
+    holder["server"] = server
+    logger.info("serving on http://%s:%d (API key %s)", ns.host, ns.port,
+                "required" if settings.api_key else "not required")  # fmt: skip
+    server.run()
+    if "dead" in holder:
+        logger.error("exiting non-zero: %s", holder["dead"])
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "serve":
+        try:
+            return serve(ns)
+        except ValueError as e:
+            print(f"tandem serve: error: {e}", file=sys.stderr)
+            return 2
+    parser.error(f"unknown command {ns.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Prometheus metrics under the ``tandem:`` prefix, in a registry owned by one app.
+
+Latencies are observed in the API process as outputs arrive from the engine (``AsyncLLM`` calls
+the ``RequestStatsSink`` methods); engine-side gauges and counters come from the engine's stats
+snapshot, which travels with every step's outputs, and are read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import EngineStats
+
+PREFIX = "tandem:"
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+FINISH_REASONS = ("stop", "length")
+
+
+# (kind, name, help, value from the engine's stats snapshot)
+_ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
+    ("gauge", "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    ("gauge", "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", lambda s: s.kv_cache_usage),
+    ("counter", "num_preemptions", "Requests preempted (recomputed later).", lambda s: s.num_preemptions),
+    ("counter", "prompt_tokens", "Prompt tokens received.", lambda s: s.prompt_tokens),
+    ("counter", "generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
+    ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+    ("counter", "prefix_cache_hits", "Prompt tokens served from the prefix cache.", lambda s: s.prefix_cache_hits),
+)  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, source: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.source()
+        for kind, name, doc, value in _ENGINE_METRICS:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = cls(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value(stats)) if stats else 0.0)
+            yield family
+
+
+class ServerMetrics:
+    """The app's metrics; also the ``RequestStatsSink`` ``AsyncLLM`` reports latencies to."""
+
+    def __init__(self, model_name: str, stats_source: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry
+            ).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to the first generated token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between generated tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first scheduled.")
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Requests finished normally, by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
+        self.registry.register(_EngineStatsCollector(model_name, stats_source))
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_finished(
+        self, e2e_seconds: float, queue_seconds: float | None, finish_reason: str | None
+    ) -> None:
+        self.e2e.observe(e2e_seconds)
+        if queue_seconds is not None:
+            self.queue.observe(queue_seconds)
+        if finish_reason in FINISH_REASONS:
+            self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

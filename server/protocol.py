@@ -1,0 +1,194 @@
+"""Request models of the OpenAI API, as this server accepts them.
+
+Every model forbids unknown fields (answered with a 400 naming the field) and is strict about
+types (``"1"`` is not a number, ``true`` is not an integer). Fields OpenAI defines that we do not
+implement are declared so that their neutral values (what SDKs send by default) pass, and
+``check_supported`` turns any other value into a 400 naming the field — never ignored silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.errors import bad_request, unsupported
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1 - MAX_N  # room for the per-sample seeds seed + i
+TOKEN_ID_MAX = 2**31 - 1
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding field: only false is served
+
+
+class SamplingFields(StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=TOKEN_ID_MAX)
+    min_p: float | None = Field(None, ge=0.0, lt=1.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # Informational: they do not change what is generated.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    metadata: dict[str, str] | None = None
+    # Declared by OpenAI, not implemented here: only neutral values pass check_supported.
+    logit_bias: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def check_supported(self) -> None:
+        """Raise a 400 for values this server does not implement or combinations that clash."""
+        if self.logit_bias:
+            raise unsupported("logit_bias")
+        if self.store:
+            raise unsupported("store", "Completions are not stored; omit it or send false.")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier", "Only 'auto' and 'default' are served.")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop strings are supported", "stop")
+        if any(not s for s in stops):
+            raise bad_request("stop strings must be non-empty", "stop")
+        if any(not 0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids or []):
+            raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise unsupported("stream_options.include_obfuscation", "Send false or omit it.")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "Use n for several samples.")
+        if self.suffix:
+            raise unsupported("suffix")
+        if self.echo and self.logprobs is not None:
+            raise unsupported(
+                "echo", "echo together with logprobs (prompt logprobs) is not served."
+            )
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    # Declared by OpenAI, not implemented here.
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise unsupported("response_format", "Only {'type': 'text'} is served.")
+        if self.tools:
+            raise unsupported("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice")
+        if self.functions:
+            raise unsupported("functions")
+        if self.function_call not in (None, "none", "auto"):
+            raise unsupported("function_call")
+        for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise unsupported(name)
+        if self.modalities not in (None, ["text"]):
+            raise unsupported("modalities", "Only ['text'] is served.")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}].content is required for role '{m.role}'",
+                    f"messages[{i}].content",
+                )
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class TokenizeRequest(StrictModel):
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]

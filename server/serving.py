@@ -1,0 +1,172 @@
+"""What the completion and chat endpoints share: sampling parameters, engine errors, usage,
+server-sent events and disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.async_llm import (
+    EngineDeadError,
+    EngineError,
+    EngineNotReadyError,
+    QueueFullError,
+    RequestFailedError,
+)
+from engine.input_processor import ContextLengthExceededError
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
+from server.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_PARAM_IN_MESSAGE = re.compile(r"^(\w+)=")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def build_sampling_params(
+    req: SamplingFields,
+    defaults: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    param_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """OpenAI fields -> ``SamplingParams``; unset fields take the checkpoint's defaults."""
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        if value is not None:
+            return value
+        return defaults.get(name, fallback)
+
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        raise engine_error_to_api(e, param_names=param_names) from e
+
+
+def engine_error_to_api(
+    e: BaseException, prompt_param: str = "prompt", param_names: dict[str, str] | None = None
+) -> APIError:
+    """Map what ``AsyncLLM`` / ``SamplingParams`` raise onto OpenAI errors."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextLengthExceededError):
+        return bad_request(str(e), prompt_param, "context_length_exceeded")
+    if isinstance(e, QueueFullError):
+        return server_unavailable(str(e), "queue_full")
+    if isinstance(e, EngineNotReadyError):
+        return server_unavailable(str(e), "engine_not_ready")
+    if isinstance(e, EngineDeadError):
+        return server_unavailable(str(e), "engine_dead")
+    if isinstance(e, RequestFailedError | EngineError):
+        return server_fault(str(e))
+    if isinstance(e, ValueError):
+        m = _PARAM_IN_MESSAGE.match(str(e))
+        param = m.group(1) if m else prompt_param
+        if param_names:
+            param = param_names.get(param, param)
+        return bad_request(str(e), param)
+    return server_fault(f"Internal server error: {type(e).__name__}")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """An error that happens after the 200 went out is reported as an event in the stream."""
+    err = engine_error_to_api(e)
+    return sse(error_body(err.message, err.type, err.param, err.code))
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs ``on_close`` however it ends — normally, on
+    error, or when the client disconnects before or while the body streams."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise
+    ``ClientDisconnected`` (the work's own cleanup aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()

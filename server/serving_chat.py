@@ -1,0 +1,157 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.async_llm import RequestGroup
+from engine.outputs import RequestOutput
+from server.chat import ChatTemplateError, messages_for_template
+from server.errors import bad_request
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest
+from server.serving import (
+    build_sampling_params,
+    engine_error_to_api,
+    now_s,
+    sse,
+    sse_error,
+    usage,
+)
+from server.state import ServerState
+
+# SamplingParams' names -> this endpoint's names, for error messages.
+_PARAM_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
+
+
+def render_chat_prompt(
+    state: ServerState, messages: list[Any], add_generation_prompt: bool
+) -> list[int]:
+    """Messages -> prompt token ids through the chat template (400 if it cannot render)."""
+    if state.renderer is None:
+        raise bad_request(
+            "this model has no chat template; start the server with --chat-template FILE",
+            "messages",
+        )
+    try:
+        text = state.renderer.render(messages_for_template(messages), add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+    # The template writes any BOS itself.
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest) -> None:
+        self.state = state
+        self.req = req
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = now_s()
+        self.model = state.response_model_name(req.model)
+        self.n = req.n
+        self.want_logprobs = bool(req.logprobs)
+        self.prompt_ids: list[int] = []
+
+    def submit(self) -> RequestGroup:
+        req = self.req
+        params = build_sampling_params(
+            req,
+            self.state.generation_defaults,
+            max_tokens=req.max_output_tokens,
+            logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
+            param_names=_PARAM_NAMES,
+        )
+        self.prompt_ids = render_chat_prompt(self.state, req.messages, req.add_generation_prompt)
+        items = [
+            (f"{self.request_id}-{j}", self.prompt_ids, params.child(j) if self.n > 1 else params)
+            for j in range(self.n)
+        ]
+        try:
+            return self.state.llm.add_requests(items)
+        except Exception as e:
+            raise engine_error_to_api(e, prompt_param="messages", param_names=_PARAM_NAMES) from e
+
+    def _usage(self, outs: list[RequestOutput]) -> dict[str, int]:
+        return usage(len(self.prompt_ids), sum(len(o.outputs[0].token_ids) for o in outs))
+
+    # -------------------------------------------------------------- full response
+
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = chat_logprobs(c.logprobs or [], self.state.token_text)
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(outs),
+            "system_fingerprint": None,
+        }
+
+    # -------------------------------------------------------------- streaming
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        sent_text = [""] * self.n
+        sent_tokens = [0] * self.n
+        last: dict[int, RequestOutput] = {}
+        try:
+            for i in range(self.n):
+                role = {"role": "assistant", "content": ""}
+                yield sse(
+                    self._chunk(
+                        [{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]
+                    )
+                )
+            async for i, out in group.stream():
+                last[i] = out
+                c = out.outputs[0]
+                delta = c.text[len(sent_text[i]) :] if c.text.startswith(sent_text[i]) else ""
+                new_lps = (c.logprobs or [])[sent_tokens[i] :] if self.want_logprobs else []
+                if not (delta or new_lps or out.finished):
+                    continue
+                sent_text[i] += delta
+                sent_tokens[i] = len(c.token_ids)
+                choice = {
+                    "index": i,
+                    "delta": {"content": delta} if delta else {},
+                    "logprobs": chat_logprobs(new_lps, self.state.token_text)
+                    if self.want_logprobs
+                    else None,
+                    "finish_reason": c.finish_reason if out.finished else None,
+                }
+                yield sse(self._chunk([choice]))
+            if self.req.include_usage:
+                final = self._chunk([])
+                final["usage"] = self._usage(list(last.values()))
+                yield sse(final)
+        except Exception as e:
+            yield sse_error(e)
+        yield sse("[DONE]")

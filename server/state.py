@@ -1,0 +1,112 @@
+"""Everything one app instance holds: settings, the engine client, template, metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs
+from server.chat import ChatRenderer, resolve_chat_template
+from server.errors import model_not_found, server_unavailable
+from server.logprobs import TokenText
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-side options (the engine's live in ``EngineArgs``)."""
+
+    api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)  # first one is reported
+    chat_template: str | None = None  # file or inline Jinja; default: the tokenizer's
+    ready_timeout_s: float = 900.0
+    heartbeat_timeout_s: float = 60.0
+    log_level: str = "INFO"
+    # Called once when the engine is gone for good (start-up failed or it died).
+    on_engine_dead: Callable[[str], None] | None = None
+
+
+class ServerState:
+    def __init__(self, engine_args: EngineArgs, settings: ServerSettings) -> None:
+        self.settings = settings
+        names = list(settings.served_model_names)
+        if engine_args.served_model_name and engine_args.served_model_name not in names:
+            names.insert(0, engine_args.served_model_name)
+        # /v1/models lists these; requests may also name the model by the path it was started
+        # with (as in `tandem serve PATH`) unless the names were chosen explicitly.
+        self.listed_model_names = names or [os.path.basename(os.path.normpath(engine_args.model))]
+        self.model_names = list(self.listed_model_names)
+        if not names and engine_args.model not in self.model_names:
+            self.model_names.append(engine_args.model)
+        self.metrics = ServerMetrics(self.model_names[0], lambda: self.llm.stats)
+        self.llm = AsyncLLM(
+            engine_args,
+            ready_timeout_s=settings.ready_timeout_s,
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            stats_sink=self.metrics,
+            on_dead=settings.on_engine_dead,
+            log_level=settings.log_level,
+        )
+        self.tokenizer: Any = self.llm.tokenizer
+        self.token_text = TokenText(self.tokenizer)
+        template = resolve_chat_template(settings.chat_template, self.tokenizer)
+        self.renderer = ChatRenderer(template, self.tokenizer) if template else None
+        self.created = int(time.time())
+        self.generation_defaults: dict[str, Any] = {}
+        self.start_error: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.config.model_config.vocab_size
+
+    async def start(self) -> None:
+        """Start the engine; on failure remember why and tell ``on_engine_dead``."""
+        try:
+            info = await self.llm.start()
+        except Exception as e:
+            self.start_error = str(e) or type(e).__name__
+            logger.error("engine start-up failed: %s", self.start_error)
+            if self.settings.on_engine_dead is not None:
+                self.settings.on_engine_dead(self.start_error)
+            return
+        self.generation_defaults = dict(info.generation_defaults)
+        if self.generation_defaults:
+            logger.info(
+                "sampling defaults from generation_config.json (used when a request does not "
+                "set them): %s",
+                self.generation_defaults,
+            )
+        else:
+            logger.info("no sampling defaults in generation_config.json; using OpenAI's")
+        logger.info("ready: serving %s (max_model_len %d)", self.model_names, info.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model)
+
+    def response_model_name(self, requested: str | None) -> str:
+        return requested if requested is not None else self.model_name
+
+    def require_ready(self) -> None:
+        if self.llm.dead_reason is not None or self.start_error is not None:
+            reason = self.llm.dead_reason or self.start_error
+            raise server_unavailable(f"the engine is not running: {reason}", "engine_dead")
+        if not self.llm.is_ready:
+            raise server_unavailable(
+                "the model is still loading; retry shortly", "engine_not_ready"
+            )

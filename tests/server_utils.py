@@ -1,0 +1,201 @@
+"""Shared helpers for the server tests: a tiny checkpoint and a real `tandem serve` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from checkpoints import build_llama
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 256
+READY_TIMEOUT_S = 120.0
+_MODEL_CACHE: dict[str, Path] = {}
+
+
+def tiny_model(tmp_path_factory: Any) -> Path:
+    """One tiny random Llama + tokenizer per test session (built on first use)."""
+    if "llama" not in _MODEL_CACHE:
+        _MODEL_CACHE["llama"] = build_llama(tmp_path_factory.mktemp("tiny_llama"))
+    return _MODEL_CACHE["llama"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    out: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    if not task_dir.is_dir():
+        return out
+    for task in task_dir.iterdir():
+        try:
+            out += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+class RemoteServer:
+    """`python -m server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own process
+    group; ``stop()`` ends it and anything it started."""
+
+    def __init__(self, model: Path, args: list[str], api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.model = model
+        self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            *args,
+        ]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = dict(os.environ)
+        env.pop("TANDEM_API_KEY", None)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.pgid = self.proc.pid
+        self.polls: list[tuple[int, int]] = []  # (/ready, /health) statuses while starting
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log.name).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Poll /ready (and /health) until ready; ``self.polls`` keeps what they answered."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                ready = httpx.get(self.url("/ready"), timeout=2.0).status_code
+                health = httpx.get(self.url("/health"), timeout=2.0).status_code
+                self.polls.append((ready, health))
+                if ready == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def engine_pid(self) -> int:
+        for pid in child_pids(self.proc.pid):
+            if "spawn_main" in cmdline(pid):
+                return pid
+        raise RuntimeError("engine process not found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the group (the engine, the resource tracker)
+            os.killpg(self.pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> RemoteServer:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def scrape_metrics(server: RemoteServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics parsed with prometheus-client's own parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url("/metrics"), timeout=10)
+    r.raise_for_status()
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    found = False
+    for (n, lbl), v in samples.items():
+        if n == name and all(dict(lbl).get(k) == want for k, want in labels.items()):
+            total += v
+            found = True
+    if not found:
+        raise KeyError(f"no sample {name} {labels}")
+    return total
+
+
+def wait_until(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met within {timeout_s} s (last: {last!r})")

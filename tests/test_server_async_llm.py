@@ -1,0 +1,77 @@
+"""``AsyncLLM`` on its own (no HTTP): a real engine process, streamed outputs, aborts, and a
+clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from server_utils import MAX_MODEL_LEN, tiny_model, wait_until
+
+from engine.async_llm import AsyncLLM, EngineNotReadyError
+from engine.config import EngineArgs
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+def test_generate_abort_and_shutdown(model_dir):
+    from engine import LLM
+
+    args = EngineArgs(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    offline = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN)
+    want = offline.generate([[5, 6, 7]], greedy)[0].outputs[0]
+    offline.shutdown()
+
+    async def run() -> dict:
+        llm = AsyncLLM(args, ready_timeout_s=120, heartbeat_interval_s=0.1)
+        with pytest.raises(EngineNotReadyError):
+            llm.add_requests([("early", [1, 2], greedy)])
+        try:
+            info = await asyncio.wait_for(llm.start(), timeout=120)
+            seen = [out async for out in llm.generate("g", [5, 6, 7], greedy)]
+            # A long request whose consumer stops after two outputs: it is aborted.
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            stream = llm.generate("long", [5, 6, 7], long)
+            got = [await stream.__anext__(), await stream.__anext__()]
+            await stream.aclose()
+            in_flight = llm.num_in_flight
+
+            async def idle() -> bool:
+                for _ in range(300):
+                    s = llm.stats
+                    if s is not None and s.num_running == 0 and s.kv_cache_usage == 0:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+
+            return {
+                "info": info,
+                "seen": seen,
+                "got": got,
+                "in_flight": in_flight,
+                "idle": await idle(),
+                "healthy": llm.is_healthy,
+                "generated": llm.stats.generation_tokens,
+                "llm": llm,
+            }
+        finally:
+            await asyncio.to_thread(llm.shutdown)
+
+    r = asyncio.run(run())
+    assert r["info"].max_model_len == MAX_MODEL_LEN and r["info"].num_blocks > 0
+    lengths = [len(o.outputs[0].token_ids) for o in r["seen"]]
+    # Cumulative outputs; a slow consumer may skip some (the next one contains them).
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 6
+    assert r["seen"][-1].finished and r["seen"][-1].outputs[0].token_ids == want.token_ids
+    assert r["seen"][-1].outputs[0].text == want.text
+    assert not r["got"][-1].finished and r["in_flight"] == 0
+    assert r["idle"] and r["healthy"]
+    assert r["generated"] < 6 + 200  # the long one did not run to the end
+    llm = r["llm"]
+    wait_until(lambda: not llm._proc.is_alive(), timeout_s=15)
+    assert llm._proc.exitcode == 0 and not llm.is_healthy

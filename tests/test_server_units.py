@@ -1,0 +1,280 @@
+"""Pieces of the server that need no running server: chat templates, protocol validation,
+error mapping, the CLI, sampling defaults and log-probability shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from pydantic import ValidationError
+from server_utils import tiny_model
+
+from engine.async_llm import QueueFullError, RequestGroup
+from engine.input_processor import ContextLengthExceededError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import TokenLogprobs
+from server.chat import (
+    ChatRenderer,
+    ChatTemplateError,
+    messages_for_template,
+    resolve_chat_template,
+)
+from server.cli import _size, build_parser, engine_args_from, main
+from server.errors import APIError, validation_error_to_api_error
+from server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.serving import build_sampling_params, engine_error_to_api
+
+
+class FakeTokenizer:
+    bos_token = "<s>"
+    eos_token = "</s>"
+    unk_token = None
+    pad_token = None
+    chat_template = "{{ messages[0]['content'] }}"
+
+
+def render(template: str, messages: list[dict], **kw) -> str:
+    return ChatRenderer(template, FakeTokenizer()).render(messages, **kw)
+
+
+# ------------------------------------------------------------------ chat templates
+
+
+def test_template_renders_with_hf_helpers():
+    t = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "[{{ m.role }}]{{ m.content | trim }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}|{{ {'k': 'é'} | tojson }}"
+    )
+    out = render(t, [{"role": "user", "content": " hi "}, {"role": "skip", "content": "x"}])
+    assert out == '<s>[user]hi[assistant]|{"k": "é"}'
+    no_prompt = render(t, [{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert "[assistant]" not in no_prompt
+
+
+def test_template_sandbox_blocks_internals():
+    with pytest.raises(ChatTemplateError):
+        render("{{ ''.__class__.__mro__[1].__subclasses__() }}", [])
+    with pytest.raises(ChatTemplateError):
+        render("{% set _ = messages.append(1) %}", [{"role": "user", "content": "x"}])
+
+
+def test_template_raise_exception_is_a_client_error():
+    t = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    with pytest.raises(ChatTemplateError, match="first must be user"):
+        render(t, [{"role": "assistant", "content": "x"}])
+
+
+def test_template_syntax_error_fails_at_start():
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatRenderer("{% for %}", FakeTokenizer())
+
+
+def test_resolve_chat_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ 1 }}")
+    assert resolve_chat_template(str(f), FakeTokenizer()) == "{{ 1 }}"
+    assert resolve_chat_template("{{ 2 }}", FakeTokenizer()) == "{{ 2 }}"
+    assert resolve_chat_template(None, FakeTokenizer()) == FakeTokenizer.chat_template
+    with pytest.raises(ValueError):
+        resolve_chat_template("no-such-file.jinja", FakeTokenizer())
+
+
+def test_messages_for_template():
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ]})  # fmt: skip
+    assert messages_for_template(req.messages) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+
+
+# ------------------------------------------------------------------ protocol and errors
+
+
+def errors_of(model: type, body: dict) -> APIError:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    return validation_error_to_api_error(e.value.errors())
+
+
+def test_unknown_field_is_named():
+    err = errors_of(CompletionRequest, {"prompt": "x", "guided_regex": "a+"})
+    assert err.status == 400 and err.param == "guided_regex" and "guided_regex" in err.message
+
+
+def test_wrong_role_is_reported_before_the_fields_it_explains():
+    err = errors_of(
+        ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
+    )
+    assert err.param == "messages[0].role"
+
+
+def test_strict_types():
+    for body in ({"prompt": "x", "n": True}, {"prompt": "x", "temperature": "1"}):
+        assert errors_of(CompletionRequest, body).status == 400
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "suffix": "s"}, "suffix"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "logit_bias": {"1": 1}}, "logit_bias"),
+    ],
+)
+def test_check_supported_completion(body, param):
+    with pytest.raises(APIError) as e:
+        CompletionRequest.model_validate(body).check_supported()
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_engine_errors_map_to_statuses():
+    ctx = engine_error_to_api(ContextLengthExceededError("too long"))
+    assert (ctx.status, ctx.code) == (400, "context_length_exceeded")
+    assert engine_error_to_api(QueueFullError("full")).status == 503
+    assert engine_error_to_api(ValueError("top_p=0 is invalid: x")).param == "top_p"
+    assert engine_error_to_api(RuntimeError("boom")).status == 500
+
+
+def test_generation_defaults_apply_only_when_unset():
+    req = CompletionRequest.model_validate({"prompt": "x", "top_p": 0.5})
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    p = build_sampling_params(req, defaults, max_tokens=4, logprobs=None)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.5, 20, 1.1)
+    plain = build_sampling_params(req, {}, max_tokens=4, logprobs=None)
+    assert (plain.temperature, plain.top_k, plain.repetition_penalty) == (1.0, 0, 1.0)
+
+
+# ------------------------------------------------------------------ log-probabilities
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model(tmp_path_factory)))
+
+
+def test_token_bytes_rebuild_the_text(tokenizer):
+    ids = tokenizer.encode("Héllo wörld", add_special_tokens=False)
+    tt = TokenText(tokenizer)
+    raw = b"".join(bytes(tt(i)[1]) for i in ids)
+    assert raw.decode("utf-8") == "Héllo wörld"
+
+
+def test_logprob_shapes(tokenizer):
+    tt = TokenText(tokenizer)
+    lps = [
+        TokenLogprobs(5, -0.5, [5, 6], [-0.5, -1.0]),
+        TokenLogprobs(7, -2.0, [8, 7], [-1.0, -2.0]),
+    ]
+    body, end = completion_logprobs(lps, tt, 3)
+    assert body["token_logprobs"] == [-0.5, -2.0]
+    assert len(body["top_logprobs"][0]) == 2 and tt.text(7) in body["top_logprobs"][1]
+    assert body["text_offset"][0] == 3 and end == 3 + len(tt.text(5)) + len(tt.text(7))
+    chat = chat_logprobs([TokenLogprobs(5, -math.inf, [5], [-math.inf])], tt)
+    entry = chat["content"][0]
+    assert entry["logprob"] == -9999.0 and entry["top_logprobs"][0]["logprob"] == -9999.0
+
+
+# ------------------------------------------------------------------ request groups
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, ids: list[str]) -> None:
+        self.aborted += ids
+
+
+def output(rid: str, tokens: list[int], finished: bool) -> RequestOutput:
+    c = CompletionOutput(0, tokens, "x" * len(tokens), "length" if finished else None)
+    return RequestOutput(rid, None, [1], [c], finished)
+
+
+def test_group_coalesces_and_aborts_the_rest_on_close():
+    async def run():
+        client = FakeClient()
+        group = RequestGroup(client, ["a", "b"])  # type: ignore[arg-type]
+        group._put((0, output("a", [1], False)))
+        group._put((0, output("a", [1, 2], False)))
+        group._put((1, output("b", [3], False)))
+        stream = group.stream()
+        first = await stream.__anext__()
+        second = await stream.__anext__()
+        await stream.aclose()
+        return client, first, second
+
+    client, first, second = asyncio.run(run())
+    assert first[0] == 0 and first[1].outputs[0].token_ids == [1, 2]  # the older one skipped
+    assert second[0] == 1
+    assert client.aborted == ["a", "b"]
+
+
+def test_group_final_outputs_in_index_order():
+    async def run():
+        client = FakeClient()
+        group = RequestGroup(client, ["a", "b"])  # type: ignore[arg-type]
+        group._put((1, output("b", [3], True)))
+        group._put((0, output("a", [1], True)))
+        return client, await group.final_outputs()
+
+    client, outs = asyncio.run(run())
+    assert [o.request_id for o in outs] == ["a", "b"]
+    assert client.aborted == []
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_cli_maps_onto_engine_args(tmp_path):
+    ns = parse(
+        str(tmp_path), "--max-num-seqs", "8", "--max-model-len", "128",
+        "--max-num-batched-tokens", "512", "--dtype", "float32", "--seed", "3",
+        "--served-model-name", "m1", "m2", "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
+    )  # fmt: skip
+    args = engine_args_from(ns)
+    assert (args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens) == (8, 128, 512)
+    assert (args.dtype, args.seed, args.served_model_name) == ("float32", 3, "m1")
+    assert args.kv_cache_memory_bytes == 64 << 20 and args.enable_prefix_caching is False
+    assert (ns.host, ns.port) == ("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["-tp", "2"], "tensor-parallel-size"),
+        (["--enable-attention-dp"], "attention-dp"),
+        (["--speculative-config", '{"method": "eagle3"}'], "speculative-config"),
+    ],
+)
+def test_cli_rejects_what_is_not_supported_yet(tmp_path, argv, match):
+    with pytest.raises(ValueError, match=match):
+        engine_args_from(parse(str(tmp_path), *argv))
+
+
+def test_cli_without_model_explains(capsys):
+    assert main(["serve"]) == 2
+    assert "no MODEL given" in capsys.readouterr().err
+
+
+def test_cli_api_key_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_API_KEY", "sk-env")
+    assert parse(str(tmp_path)).api_key == "sk-env"
+
+
+def test_size_parser():
+    assert _size("2GiB") == 2 << 30 and _size("512m") == 512 << 20 and _size("1000") == 1000

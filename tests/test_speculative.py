@@ -1,0 +1,194 @@
+"""Speculative decoding end to end: exactness, acceptance statistics, configuration errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
+from engine import LLM, SamplingParams
+
+PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    target = build_llama(root / "target", layers=4)
+    add_mtp_layers(target, 1)
+    vanilla = root / "target3"
+    shutil.copytree(target, vanilla)
+    add_mtp_layers(vanilla, 3, seed=5)  # replaces the one-layer MTP with three layers
+    draft = build_eagle3_draft(root / "eagle3", target, draft_vocab=160)
+    perfect = build_llama(root / "perfect", layers=2, seed=3)
+    zero_residual_writes(perfect)
+    add_mtp_layers(perfect, 1, perfect=True)
+    return {"target": target, "vanilla": vanilla, "eagle3": draft, "perfect": perfect}
+
+
+def _spec(models: dict[str, Path], method: str, k: int) -> dict:
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": k}
+    if method == "mtp-vanilla":
+        return {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": k}
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(models: dict[str, Path]) -> dict[str, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    out = {}
+    for name in ("target", "vanilla"):
+        with LLM(str(models[name])) as llm:
+            out[name] = _tokens(llm.generate(PROMPTS, params))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle", "mtp-vanilla"])
+def test_greedy_speculation_is_exact(models, baseline, method: str, k: int, monkeypatch) -> None:
+    target = "vanilla" if method == "mtp-vanilla" else "target"
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    # A 16-token budget forces the 50-token prompt into chunks that share steps with decodes.
+    with LLM(
+        str(models[target]), speculative_config=_spec(models, method, k), max_num_batched_tokens=16
+    ) as llm:
+        outs = llm.generate(PROMPTS, params)
+        assert _tokens(outs) == baseline[target]
+        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+        assert llm.engine.get_stats().num_used_kv_blocks == 0
+    if k == 3:
+        monkeypatch.setenv("TLLM_SPEC_DISABLE_DRAFT_ROW_PICK", "1")
+        with LLM(str(models[target]), speculative_config=_spec(models, method, k)) as llm:
+            unpicked = llm.generate(PROMPTS, params)
+        assert _tokens(unpicked) == baseline[target]
+        # Same drafts with and without row picking: identical acceptance, position by position.
+        assert [o.spec_stats.accepted_per_pos for o in unpicked] == [
+            o.spec_stats.accepted_per_pos for o in outs
+        ]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+def test_stops_and_max_tokens_mid_draft(models, baseline, method: str) -> None:
+    ref = baseline["target"][1]
+    with LLM(str(models["target"]), speculative_config=_spec(models, method, 5)) as llm:
+        for max_tokens in (1, 2, 7, 11):
+            (out,) = llm.generate(
+                [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            )
+            assert out.outputs[0].token_ids == ref[:max_tokens]
+        stop_tok = ref[9]
+        (out,) = llm.generate(
+            [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=23, stop_token_ids=[stop_tok])
+        )
+        assert out.outputs[0].token_ids == ref[: ref.index(stop_tok) + 1]
+        text = llm.tokenizer.decode(ref, skip_special_tokens=True)
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        if stop.strip():
+            (out,) = llm.generate(
+                [PROMPTS[1]],
+                SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, stop=stop),
+            )
+            assert out.outputs[0].text == text[: text.index(stop)]
+            assert out.outputs[0].finish_reason == "stop"
+        assert llm.engine.get_stats().num_used_kv_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_perfect_draft_reaches_k_plus_one(models, k: int) -> None:
+    steps = 5
+    max_tokens = 1 + steps * (k + 1)  # the prefill samples one token, each step k + 1
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(str(models["perfect"])) as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+    with LLM(
+        str(models["perfect"]), speculative_config={"method": "mtp", "num_speculative_tokens": k}
+    ) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.spec_stats
+    assert _tokens(outs) == base
+    for o in outs:
+        s = o.spec_stats
+        assert s.mean_tokens_per_step == k + 1
+        assert s.acceptance_rate == 1.0
+        assert s.num_drafts == steps and s.num_draft_tokens == steps * k
+        assert s.accepted_per_pos == [steps] * k
+    # Global counters move by exactly the per-request counts.
+    assert stats.num_drafts == steps * len(PROMPTS)
+    assert stats.num_draft_tokens == stats.num_accepted_tokens == steps * k * len(PROMPTS)
+
+
+def test_random_draft_is_near_one_token_per_step(models, baseline) -> None:
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    with LLM(str(models["target"]), speculative_config=_spec(models, "eagle3", 3)) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.spec_stats
+    assert _tokens(outs) == baseline["target"]
+    assert 1.0 <= stats.mean_tokens_per_step < 1.5
+    assert (
+        stats.num_draft_tokens == 3 * stats.num_drafts
+        or stats.num_draft_tokens < 3 * stats.num_drafts
+    )
+
+
+def test_configuration_errors(models, tmp_path: Path) -> None:
+    t = str(models["target"])
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        LLM(t, speculative_config={"method": "medusa"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(t, speculative_config={"method": "mtp", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config.model is required"):
+        LLM(t, speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        LLM(t, speculative_config={"method": "mtp", "draft_len": 3})
+    with pytest.raises(ValueError, match="mtp_mode"):
+        LLM(t, speculative_config={"method": "mtp", "mtp_mode": "parallel"})
+    # A target without MTP layers.
+    plain = build_llama(tmp_path / "plain")
+    with pytest.raises(ValueError, match="no MTP layers"):
+        LLM(str(plain), speculative_config={"method": "mtp"})
+    # An Eagle3 draft whose hidden size does not fit the target.
+    bad = tmp_path / "bad"
+    shutil.copytree(models["eagle3"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_size"):
+        LLM(t, speculative_config={"method": "eagle3", "model": str(bad)})
+    with LLM(t, speculative_config={"method": "mtp"}) as llm:
+        with pytest.raises(ValueError, match="not supported with speculative decoding"):
+            llm.generate([[1, 2]], SamplingParams(presence_penalty=0.5))
+
+
+def test_eagle3_without_lm_head_borrows_the_targets(models, baseline, tmp_path: Path) -> None:
+    draft = build_eagle3_draft(tmp_path / "d", models["target"], with_lm_head=False)
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    with LLM(
+        str(models["target"]), speculative_config={"method": "eagle3", "model": str(draft)}
+    ) as llm:
+        assert _tokens(llm.generate(PROMPTS, params)) == baseline["target"]
+    with pytest.raises(ValueError, match="no lm_head"):
+        d2 = build_eagle3_draft(
+            tmp_path / "d2", models["target"], draft_vocab=100, with_lm_head=False
+        )
+        LLM(str(models["target"]), speculative_config={"method": "eagle3", "model": str(d2)})
+
+
+def test_logprobs_under_speculation_are_the_targets(models) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    with LLM(str(models["target"])) as llm:
+        (base,) = llm.generate([PROMPTS[1]], params)
+    with LLM(str(models["target"]), speculative_config=_spec(models, "mtp-eagle", 3)) as llm:
+        (spec,) = llm.generate([PROMPTS[1]], params)
+    a, b = base.outputs[0].logprobs, spec.outputs[0].logprobs
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b, strict=True):
+        assert x.token_id == y.token_id and x.top_token_ids == y.top_token_ids
+        assert abs(x.logprob - y.logprob) < 1e-4
