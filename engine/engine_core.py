@@ -145,6 +145,9 @@ _COUNTERS = (
     "generation_tokens",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
 )
 
 
@@ -152,7 +155,14 @@ def stats_since(base: EngineStats | None, now: EngineStats) -> EngineStats:
     """``now`` with counters measured from ``base`` (so warm-up work is not counted)."""
     if base is None:
         return now
-    return dataclasses.replace(now, **{k: getattr(now, k) - getattr(base, k) for k in _COUNTERS})
+    per_pos = list(now.spec_accepted_per_pos)
+    for i, count in enumerate(base.spec_accepted_per_pos):
+        per_pos[i] -= count
+    return dataclasses.replace(
+        now,
+        spec_accepted_per_pos=per_pos,
+        **{k: getattr(now, k) - getattr(base, k) for k in _COUNTERS},
+    )
 
 
 def warm_up(engine: Any) -> None:

@@ -41,3 +41,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_num_drafts: int = 0  # verification steps that had drafts (dummies never count)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--num-kv-blocks", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
-    par = s.add_argument_group("parallelism and speculation (not supported yet)")
+    par = s.add_argument_group("parallelism and speculation")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     par.add_argument("--enable-attention-dp", action="store_true")
     par.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": ...}'")
@@ -107,12 +107,16 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         )
     if ns.enable_attention_dp:
         raise ValueError("--enable-attention-dp is not supported yet")
+    spec = None
     if ns.speculative_config is not None:
         try:
-            json.loads(ns.speculative_config)
+            spec = json.loads(ns.speculative_config)
         except ValueError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        raise ValueError("--speculative-config is not supported yet")
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(
+                '--speculative-config must be a JSON object, e.g. \'{"method": "mtp"}\''
+            )
     names = ns.served_model_name or []
     return EngineArgs(
         model=ns.model,
@@ -128,6 +132,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         kv_cache_memory_bytes=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=ns.enable_prefix_caching,
+        speculative_config=spec,
         num_kv_blocks=ns.num_kv_blocks,
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,

@@ -33,6 +33,9 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("counter", "generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
     ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
     ("counter", "prefix_cache_hits", "Prompt tokens served from the prefix cache.", lambda s: s.prefix_cache_hits),
+    ("counter", "spec_decode_num_drafts", "Speculative verification steps that had drafts.", lambda s: s.spec_num_drafts),
+    ("counter", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda s: s.spec_num_draft_tokens),
+    ("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
 )  # fmt: skip
 
 
@@ -48,6 +51,14 @@ class _EngineStatsCollector(Collector):
             family = cls(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value(stats)) if stats else 0.0)
             yield family
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            labels=["model_name", "position"],
+        )
+        for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
+            per_pos.add_metric([self.model_name, str(pos)], float(count))
+        yield per_pos
 
 
 class ServerMetrics:

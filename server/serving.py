@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -23,6 +23,7 @@ from engine.async_llm import (
     RequestFailedError,
 )
 from engine.input_processor import ContextLengthExceededError
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
 from server.protocol import SamplingFields
@@ -101,12 +102,28 @@ def engine_error_to_api(
     return server_fault(f"Internal server error: {type(e).__name__}")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, outs: Iterable[RequestOutput] = ()
+) -> dict[str, Any]:
+    """OpenAI usage; under speculation a ``spec_decode`` object adds draft and accepted counts."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    stats = [o.spec_stats for o in outs if o.spec_stats is not None]
+    if stats:
+        drafts = sum(s.num_drafts for s in stats)
+        draft_tokens = sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        body["spec_decode"] = {
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_tokens_per_step": (accepted + drafts) / drafts if drafts else 0.0,
+        }
+    return body
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -73,8 +73,8 @@ class ChatHandler:
         except Exception as e:
             raise engine_error_to_api(e, prompt_param="messages", param_names=_PARAM_NAMES) from e
 
-    def _usage(self, outs: list[RequestOutput]) -> dict[str, int]:
-        return usage(len(self.prompt_ids), sum(len(o.outputs[0].token_ids) for o in outs))
+    def _usage(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return usage(len(self.prompt_ids), sum(len(o.outputs[0].token_ids) for o in outs), outs)
 
     # -------------------------------------------------------------- full response
 

@@ -67,14 +67,14 @@ class CompletionHandler:
             return prompt
         return self.state.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
-    def _usage(self, outs: dict[int, RequestOutput]) -> dict[str, int]:
+    def _usage(self, outs: dict[int, RequestOutput]) -> dict[str, Any]:
         prompt_tokens = sum(
             len(outs[p * self.n].prompt_token_ids)
             for p in range(len(self.prompts))
             if p * self.n in outs
         )
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
-        return usage(prompt_tokens, completion_tokens)
+        return usage(prompt_tokens, completion_tokens, outs.values())
 
     # -------------------------------------------------------------- full response
 

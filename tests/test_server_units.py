@@ -258,7 +258,8 @@ def test_cli_maps_onto_engine_args(tmp_path):
     [
         (["-tp", "2"], "tensor-parallel-size"),
         (["--enable-attention-dp"], "attention-dp"),
-        (["--speculative-config", '{"method": "eagle3"}'], "speculative-config"),
+        (["--speculative-config", "{not json"], "speculative-config"),
+        (["--speculative-config", "[1, 2]"], "speculative-config"),
     ],
 )
 def test_cli_rejects_what_is_not_supported_yet(tmp_path, argv, match):

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from engine.sampler import SamplingTensors, probs_for_rows
 from engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
-from engine.speculative.verify import accept_matching, rejection_sample
 from kernels.paged_attention import build_attention_plan
+from kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from models.attention import AttentionMetadata
 from models.parallel import ParallelMapping
 
@@ -124,11 +124,10 @@ class SpecDecoder:
         # by one; each request's last row takes ``next_tokens`` (the next prompt token for a
         # chunk that stops mid-prompt), and the row of its last accepted token takes the
         # correction / bonus token.
-        step_tokens = torch.roll(input_ids, -1)
         last_rows = target_meta.query_start_loc[1:].long() - 1
-        step_tokens[last_rows] = next_tokens
-        gather_ids = layout.first_row + num_accepted  # [B] rows the loop reads
-        step_tokens[gather_ids] = tokens.gather(1, num_accepted[:, None]).squeeze(1)
+        step_tokens, gather_ids = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, input_ids, last_rows, next_tokens
+        )  # gather_ids [B]: the rows the loop reads
 
         layer0 = draft.layers[0]
         pick = self.resolver.resolve(

@@ -1,0 +1,97 @@
+"""Speculative decoding through the HTTP server: same greedy text, spec_decode usage, metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
+
+from checkpoints import add_mtp_layers
+from engine import LLM, SamplingParams
+
+PROMPT = "Hello world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spec_server") / "mtp"
+    shutil.copytree(tiny_model(tmp_path_factory), folder)
+    add_mtp_layers(folder, 1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+    with RemoteServer(model_dir, ["--speculative-config", spec, "--max-num-seqs", "8"]) as s:
+        yield s
+
+
+def test_greedy_text_and_spec_usage(server, model_dir):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    before = scrape_metrics(server)
+    resp = client.completions.create(
+        model=model_dir.name,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    with LLM(str(model_dir), max_model_len=256) as llm:
+        (ref,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert resp.choices[0].text == ref.outputs[0].text
+    usage = resp.usage.model_extra["spec_decode"]
+    assert (
+        usage["num_draft_tokens"] == 3 * usage["num_drafts"]
+        or usage["num_draft_tokens"] < 3 * usage["num_drafts"]
+    )
+    assert usage["num_drafts"] >= 1
+    assert resp.usage.completion_tokens == 24
+    after = scrape_metrics(server)
+    for name, key in (
+        ("tandem:spec_decode_num_drafts_total", "num_drafts"),
+        ("tandem:spec_decode_num_draft_tokens_total", "num_draft_tokens"),
+        ("tandem:spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
+    ):
+        model = model_dir.name
+        assert (
+            metric(after, name, model_name=model) - metric(before, name, model_name=model)
+            == usage[key]
+        )
+
+
+def test_streaming_under_speculation(server, model_dir):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(
+        model=model_dir.name,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    full = client.chat.completions.create(
+        model=model_dir.name,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert text == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_penalties_are_refused_under_speculation(server, model_dir):
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="not supported with speculative decoding"):
+        client.completions.create(
+            model=model_dir.name, prompt=PROMPT, max_tokens=4, presence_penalty=0.5
+        )
