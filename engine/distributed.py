@@ -5,9 +5,11 @@ Two groups per replica:
 - ``tensor``: the collectives parallel layers run in every forward (all-reduce, all-gather).
   NCCL on CUDA, gloo on CPU. Its timeout bounds how long a dead or hung peer can stall a step.
 - ``control``: always gloo (CPU tensors, pickled objects): step broadcasts from rank 0 and
-  start-up agreement (KV block count). Ranks wait on it between steps for as long as the server
-  idles, so its timeout is effectively unbounded; a dead peer shows up there as a closed
-  connection, and a worker whose parent died is ended by ``start_parent_watchdog``.
+  start-up agreement (KV block count). Timeouts are per process: rank 0 uses the collective
+  timeout, so a peer that stops reading fails the step (a gloo send waits for the receiver);
+  the other ranks wait on it between steps for as long as the server idles, so theirs is
+  effectively unbounded. They learn of a dead rank 0 from the closed connection, or, when it
+  spawned them, from ``start_parent_watchdog``.
 
 Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; a launch
 by ``torchrun`` (or any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
@@ -32,8 +34,8 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TANDEM_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
-# Waiting for the next step is not a failure, however long the server idles.
-CONTROL_TIMEOUT = timedelta(days=365)
+# Ranks 1..N-1 waiting for the next step: not a failure, however long the server idles.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 def collective_timeout(timeout_s: float | None = None) -> timedelta:
@@ -109,7 +111,9 @@ def init_distributed(
     timeout: timedelta,
     store: dist.Store | None = None,
 ) -> ProcessGroups:
-    """Join the world (``store`` given: local spawn; else ``env://``) and build both groups."""
+    """Join the world (``store`` given: local spawn; else ``env://``) and build both groups.
+    ``timeout`` bounds the rendezvous and tensor collectives everywhere, and rank 0's control
+    collectives."""
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialized in this process; "
@@ -120,7 +124,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     kw: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kw)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
     logger.info("rank %d/%d joined (%s for tensors, gloo for control)", rank, world_size, backend)
     return ProcessGroups(tensor=dist.group.WORLD, control=control)
 
@@ -130,8 +134,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_min(value: int, group: Any) -> int:
-    """The smallest ``value`` over the ranks of ``group`` (a gloo group)."""
+def all_reduce_min(value: int, group: Any, wait_s: float | None = None) -> int:
+    """The smallest ``value`` over the ranks of ``group`` (a gloo group). ``wait_s``: first wait
+    up to that long for every rank to arrive (ranks finish loading at different times)."""
+    if wait_s is not None:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=wait_s), wait_all_ranks=True)
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())

@@ -221,7 +221,11 @@ class MultiProcExecutor(Executor):
         )
         rank_config = dataclasses.replace(config, device=device)
         mapping = _mapping(config, launch.rank, groups)
-        worker = Worker(rank_config, mapping, lambda n: all_reduce_min(n, groups.control))
+        worker = Worker(
+            rank_config,
+            mapping,
+            lambda n: all_reduce_min(n, groups.control, wait_s=STARTUP_TIMEOUT_S),
+        )
         if launch.rank == 0:
             self.worker = worker
             return

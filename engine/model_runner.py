@@ -186,9 +186,11 @@ class ModelRunner:
     ) -> VerifyLayout:
         k = self.k
         rows, drafts, num_drafts, first_rows, first_pos, sampled_tables = [], [], [], [], [], []
+        owner: list[int] = []
         offset = 0
         for i, r in enumerate(step.requests):
             n = len(r.token_ids)
+            owner += [len(rows) if r.sample else -1] * n
             if r.sample:
                 first = offset + n - 1 - r.num_drafts
                 rows.append([first + min(j, r.num_drafts) for j in range(k + 1)])
@@ -206,6 +208,7 @@ class ModelRunner:
             first_row=t(first_rows, torch.int64),
             positions=t(first_pos, torch.int64),
             block_tables=t(sampled_tables, torch.int32),
+            row_owner=t(owner, torch.int64),
             max_seq_len=max_s + k,
         )
 

@@ -101,16 +101,17 @@ def test_stops_and_max_tokens_mid_draft(models, baseline, method: str) -> None:
         assert llm.engine.get_stats().num_used_kv_blocks == 0
 
 
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_perfect_draft_reaches_k_plus_one(models, k: int) -> None:
+def test_perfect_draft_reaches_k_plus_one(models, k: int, mode: str) -> None:
     steps = 5
     max_tokens = 1 + steps * (k + 1)  # the prefill samples one token, each step k + 1
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(models["perfect"])) as llm:
         base = _tokens(llm.generate(PROMPTS, params))
-    with LLM(
-        str(models["perfect"]), speculative_config={"method": "mtp", "num_speculative_tokens": k}
-    ) as llm:
+    spec = {"method": "mtp", "num_speculative_tokens": k, "mtp_mode": mode}
+    # Vanilla: the one-layer checkpoint backs all K layers; each must see the right tokens.
+    with LLM(str(models["perfect"]), speculative_config=spec, max_num_batched_tokens=16) as llm:
         outs = llm.generate(PROMPTS, params)
         stats = llm.engine.spec_stats
     assert _tokens(outs) == base

@@ -32,6 +32,7 @@ class VerifyLayout:
     first_row: Tensor  # [B] row of the last accepted token (verify position 0)
     positions: Tensor  # [B] position of that row
     block_tables: Tensor  # [B, max_blocks] of the sampled requests
+    row_owner: Tensor  # [T] index of the sampled request owning each row, -1 for other rows
     max_seq_len: int  # host bound on any sampled request's KV length after the draft loop
 
 
@@ -129,35 +130,48 @@ class SpecDecoder:
             layout.first_row, num_accepted, tokens, input_ids, last_rows, next_tokens
         )  # gather_ids [B]: the rows the loop reads
 
-        layer0 = draft.layers[0]
         pick = self.resolver.resolve(
-            layer0,
+            draft.layers[0],
             self.mapping,
             num_draft_layers=getattr(draft, "num_layers", 1),
             vanilla_mtp=self.vanilla,
         )
-        if pick:
-            hidden = draft(
-                0, positions, step_tokens, draft_hidden, target_meta, pick_rows=gather_ids
-            )
-        else:
-            hidden = draft(0, positions, step_tokens, draft_hidden, target_meta)[gather_ids]
-
         advanced = meta.wants_advanced_draft_sampling
         drafts: list[Tensor] = []
         qs: list[Tensor] = []
-        pos = layout.positions + num_accepted  # position of the picked row
-        for step in range(self.k):
-            if step > 0:
-                pos = pos + 1
-                step_meta = self._single_row_meta(layout, pos)
-                layer = step if self.vanilla else 0
-                hidden = draft(layer, pos, drafts[-1], hidden, step_meta)
-            logits = draft.compute_logits(step if self.vanilla else 0, hidden).float()
+
+        def emit(layer: int, picked_hidden: Tensor) -> None:
+            logits = draft.compute_logits(layer, picked_hidden).float()
             token, q = self._draft_token(logits, st, advanced)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
+
+        if self.vanilla:
+            self._propose_vanilla(
+                positions,
+                step_tokens,
+                draft_hidden,
+                target_meta,
+                layout,
+                gather_ids,
+                pick,
+                drafts,
+                emit,
+            )
+        else:
+            if pick:
+                hidden = draft(
+                    0, positions, step_tokens, draft_hidden, target_meta, pick_rows=gather_ids
+                )
+            else:
+                hidden = draft(0, positions, step_tokens, draft_hidden, target_meta)[gather_ids]
+            emit(0, hidden)
+            pos = layout.positions + num_accepted  # position of the picked row
+            for _ in range(1, self.k):
+                pos = pos + 1
+                hidden = draft(0, pos, drafts[-1], hidden, self._single_row_meta(layout, pos))
+                emit(0, hidden)
         new_drafts = torch.stack(drafts, dim=1)
         if advanced:
             q_all = torch.stack(qs, dim=1)  # [B, K, V]
@@ -166,6 +180,44 @@ class SpecDecoder:
         else:
             self.forget(request_ids)
         return new_drafts
+
+    def _propose_vanilla(
+        self,
+        positions: Tensor,
+        step_tokens: Tensor,
+        draft_hidden: Tensor,
+        meta: AttentionMetadata,
+        layout: VerifyLayout,
+        gather_ids: Tensor,
+        pick: bool,
+        drafts: list[Tensor],
+        emit: Any,
+    ) -> None:
+        """K distinct MTP layers. Layer k runs on every row (each writes its own KV for every
+        position, and the next layer reads all of its outputs); the token of row j at layer k is
+        the one at position pos_j + k + 1: known tokens up to the picked row, then this step's
+        new drafts. Only the last layer's post-attention part can be row-picked."""
+        t = step_tokens.shape[0]
+        rows = torch.arange(t, device=step_tokens.device)
+        owner = layout.row_owner  # [T] sampled-request index of each row, -1 for others
+        g = gather_ids[owner.clamp(min=0)]
+        hidden = draft_hidden
+        for k in range(self.k):
+            if k == 0:
+                tokens = step_tokens
+            else:
+                idx = rows + k
+                shifted = step_tokens[idx.clamp(max=t - 1)]
+                made = torch.stack(drafts, dim=1)  # [B, k]
+                m = (idx - g - 1).clamp(0, k - 1)
+                tokens = torch.where((owner >= 0) & (idx > g), made[owner.clamp(min=0), m], shifted)
+            last = k == self.k - 1
+            if last and pick:
+                out = self.draft(k, positions, tokens, hidden, meta, pick_rows=gather_ids)
+                emit(k, out)
+            else:
+                hidden = self.draft(k, positions, tokens, hidden, meta)
+                emit(k, hidden[gather_ids])
 
     def _draft_token(
         self, logits: Tensor, st: SamplingTensors, advanced: bool
