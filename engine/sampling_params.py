@@ -40,10 +40,10 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < -1:
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= 2**31 - 1:
             raise bad("top_k", self.top_k, "must be -1 or 0 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1)")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "must be at least 1")
         if self.min_tokens < 0 or (

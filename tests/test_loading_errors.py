@@ -75,6 +75,8 @@ def test_not_a_model_folder(tmp_path: Path) -> None:
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-0.1), "temperature"),
         (dict(min_p=1.5), "min_p"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(top_k=2**40), "top_k"),
         (dict(n=0), "n="),
         (dict(logprobs=99), "logprobs"),
         (dict(presence_penalty=3.0), "presence_penalty"),
