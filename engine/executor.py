@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import time
 import traceback
 from typing import Any
@@ -112,6 +113,8 @@ def _spawned_rank_main(
     """Entry point of a spawned rank. Reports start-up stages and errors to rank 0 over ``conn``;
     exits when told to stop, when a collective fails or times out, or when its parent is gone."""
     start_parent_watchdog()
+    # Ctrl-C reaches the whole process group; rank 0 handles it and stops this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     world = config.parallel_config.tensor_parallel_size
     code = 0
     try:
@@ -280,9 +283,8 @@ class MultiProcExecutor(Executor):
     def check_health(self) -> None:
         if self.closed:
             raise RankFailedError("the executor is shut down")
-        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
-        if dead and self.failure is None:
-            self.failure = ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+        if self.failure is None and not all(p.is_alive() for p in self.procs):
+            self.failure = "a rank process exited"
         if self.failure is not None:
             raise RankFailedError(self._describe_failure())
 
@@ -310,15 +312,15 @@ class MultiProcExecutor(Executor):
         if self.groups is not None and healthy:
             try:
                 broadcast_object(None, self.groups.control)
-            except Exception as e:  # a rank just died; it is reaped below
-                logger.warning("could not send stop to the ranks: %s", e)
+                for proc in self.procs:
+                    proc.join(JOIN_TIMEOUT_S)
+            except Exception as e:  # a rank just died or stopped reading; reaped below
+                logger.warning("could not stop the ranks cleanly: %s", e)
         for proc in self.procs:
-            proc.join(JOIN_TIMEOUT_S if healthy else 0.1)
-        for proc in self.procs:
-            if proc.is_alive():
+            if proc.is_alive() and healthy:
                 proc.terminate()
                 proc.join(JOIN_TIMEOUT_S)
-            if proc.is_alive():  # stopped or stuck in native code
+            if proc.is_alive():  # a broken world, a stopped process or one stuck in native code
                 proc.kill()
                 proc.join()
         for conn in self.conns:

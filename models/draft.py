@@ -1,65 +1,48 @@
-"""What every draft head shares: the row-pick contract and checkpoint-name mapping."""
+"""What every draft head shares: one decoder-style layer per draft step, the target's embedding,
+and the forward signature the draft loop calls."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
+import torch
 from torch import nn
 
-from models.llama import STACKED_PARAMS
+from models.attention import AttentionMetadata, PagedAttention
 
 
-def load_named_weights(
-    module: nn.Module, weights: Iterable[tuple[str, Any]], rename: Any
-) -> set[str]:
-    """Load (checkpoint name, tensor) pairs through ``rename(name) -> list[our name] | None``.
+class DraftHead(nn.Module):
+    """A draft head: ``layers[i]`` takes (positions, embeds, hidden, meta[, pick_rows])."""
 
-    Stacked q/k/v and gate/up projections are routed to their fused parameters. Returns the
-    filled parameter keys (``name#shard`` for fused ones)."""
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    loaded: set[str] = set()
-    for ckpt_name, tensor in weights:
-        targets = rename(ckpt_name)
-        if targets is None:
-            continue
-        for target in targets:
-            name, shard = target, None
-            for ckpt, ours, sid in STACKED_PARAMS:
-                if f".{ckpt}." in target:
-                    name, shard = target.replace(ckpt, ours), sid
-                    break
-            if name in buffers:
-                value = tensor if hasattr(tensor, "shape") else tensor[:]
-                if tuple(value.shape) != tuple(buffers[name].shape):
-                    raise ValueError(
-                        f"{ckpt_name}: shape mismatch: checkpoint has {tuple(value.shape)}, "
-                        f"the draft expects {tuple(buffers[name].shape)}"
-                    )
-                buffers[name].copy_(value.to(buffers[name].dtype))
-                loaded.add(name)
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected tensor in draft checkpoint: {ckpt_name}")
-            param = params[name]
-            try:
-                param.weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"{ckpt_name}: {e}") from None
-            loaded.add(name if shard is None else f"{name}#{shard}")
-    return loaded
+    num_layers: int = 1
+    embed_tokens: nn.Module | None = None  # the target's, bound by ``bind_target``
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        raise NotImplementedError
 
-def expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> set[str]:
-    out: set[str] = set()
-    for name, _ in module.named_parameters():
-        if name in skip:
-            continue
-        if "qkv_proj" in name:
-            out.update(f"{name}#{s}" for s in ("q", "k", "v"))
-        elif "gate_up_proj" in name:
-            out.update(f"{name}#{s}" for s in (0, 1))
-        else:
-            out.add(name)
-    return out
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
+        """The draft's hidden input from captured target states (Eagle3 only)."""
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def forward(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run draft layer ``layer_index``; layers that do not pick rows are called without
+        the argument, exactly as before row picking existed."""
+        assert self.embed_tokens is not None
+        layer = self.layers[layer_index]
+        embeds = self.embed_tokens(token_ids)
+        if pick_rows is None:
+            return layer(positions, embeds, hidden, meta)
+        return layer(positions, embeds, hidden, meta, pick_rows=pick_rows)

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, PagedAttention
-from models.draft import expected_keys, load_named_weights
+from models.attention import AttentionMetadata
+from models.draft import DraftHead
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
 from models.llama import LlamaAttention, LlamaMLP
 from models.parallel import ParallelMapping
+from models.weights import expected_keys, load_named_weights
 
 
 class Eagle3MidLayer(nn.Module):
@@ -50,7 +51,7 @@ class Eagle3MidLayer(nn.Module):
         return self.mlp(x) + residual
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(DraftHead):
     def __init__(self, config: Any, target_config: Any, mapping: ParallelMapping) -> None:
         super().__init__()
         self.config = config
@@ -73,7 +74,6 @@ class Eagle3Draft(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, mapping)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.num_layers = int(getattr(config, "num_hidden_layers", 1))
-        self.embed_tokens: nn.Module | None = None  # the target's, bound by bind_target
 
     def bind_target(self, target: nn.Module) -> None:
         """Share the target's embedding (not registered: it is not a draft parameter)."""
@@ -83,27 +83,9 @@ class Eagle3Draft(nn.Module):
     def layers(self) -> list[nn.Module]:
         return [self.midlayer]
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [self.midlayer.self_attn.attn]
-
     def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """fc over the concatenated captured target states: [T, 3H] → [T, H]."""
         return self.fc(torch.cat(captured, dim=-1))
-
-    def forward(
-        self,
-        layer_index: int,
-        positions: torch.Tensor,
-        token_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        pick_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        assert self.embed_tokens is not None
-        embeds = self.embed_tokens(token_ids)
-        if pick_rows is None:
-            return self.midlayer(positions, embeds, hidden, meta)
-        return self.midlayer(positions, embeds, hidden, meta, pick_rows=pick_rows)
 
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_V]."""

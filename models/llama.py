@@ -21,15 +21,7 @@ from models.layers import (
     silu_and_mul,
 )
 from models.parallel import ParallelMapping
-
-# checkpoint name fragment → (our parameter fragment, shard id)
-STACKED_PARAMS = (
-    ("q_proj", "qkv_proj", "q"),
-    ("k_proj", "qkv_proj", "k"),
-    ("v_proj", "qkv_proj", "v"),
-    ("gate_proj", "gate_up_proj", 0),
-    ("up_proj", "gate_up_proj", 1),
-)
+from models.weights import expected_keys, load_named_weights
 
 
 def head_dim_of(config: Any) -> int:
@@ -192,8 +184,8 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def checkpoint_name_to_param(self, name: str) -> tuple[str, Any] | None:
-        """Map a checkpoint tensor name to (parameter name, shard id); None = not ours to load."""
+    def checkpoint_names(self, name: str) -> list[str] | None:
+        """Which of our parameters a checkpoint tensor fills; None = not ours to load."""
         if "rotary_emb.inv_freq" in name:
             return None
         if name.startswith("model.layers."):
@@ -202,43 +194,16 @@ class LlamaForCausalLM(nn.Module):
                 return None
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        for ckpt, ours, shard in STACKED_PARAMS:
-            if f".{ckpt}." in name:
-                return name.replace(ckpt, ours), shard
-        return name, None
+        return [name]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load (name, tensor-or-slice) pairs; returns the parameter names that were filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
-            target = self.checkpoint_name_to_param(ckpt_name)
-            if target is None:
-                continue
-            name, shard = target
-            if name not in params:
-                raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
-            param = params[name]
-            try:
-                param.weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"{ckpt_name}: {e}") from None
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        return loaded
+        """Load (name, tensor-or-slice) pairs; returns the parameter keys that were filled."""
+        return load_named_weights(self, weights, self.checkpoint_names)
 
     def expected_weights(self) -> set[str]:
         """What ``load_weights`` must have filled for the model to be complete."""
-        out: set[str] = set()
-        for name, _ in self.named_parameters():
-            if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
-                out.update(f"{name}#{s}" for s in ("q", "k", "v"))
-            elif "gate_up_proj" in name:
-                out.update(f"{name}#{s}" for s in (0, 1))
-            else:
-                out.add(name)
-        if self.tie_word_embeddings:
-            out.discard("lm_head.weight")
-        return out
+        skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        return expected_keys(self, skip)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, PagedAttention
-from models.draft import expected_keys, load_named_weights
+from models.attention import AttentionMetadata
+from models.draft import DraftHead
 from models.layers import ReplicatedLinear, RMSNorm
 from models.llama import LlamaAttention, LlamaMLP
 from models.parallel import ParallelMapping
+from models.weights import expected_keys, load_named_weights
 
 
 class SharedHead(nn.Module):
@@ -59,7 +60,7 @@ class MTPLayer(nn.Module):
         return self.mlp(x) + residual
 
 
-class MTPDraft(nn.Module):
+class MTPDraft(DraftHead):
     """``num_layers`` MTP layers: 1 for MTP-Eagle (reused K times), K for vanilla MTP."""
 
     def __init__(
@@ -71,7 +72,6 @@ class MTPDraft(nn.Module):
         self.mtp_layers = nn.ModuleList(
             MTPLayer(config, mapping, qkv_bias, qk_norm) for _ in range(num_layers)
         )
-        self.embed_tokens: nn.Module | None = None  # the target's, bound by bind_target
         self.lm_head: nn.Module | None = None
         self.draft_vocab_size = int(config.vocab_size)
 
@@ -84,31 +84,9 @@ class MTPDraft(nn.Module):
     def layers(self) -> list[nn.Module]:
         return list(self.mtp_layers)
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.mtp_layers]
-
-    def forward(
-        self,
-        layer_index: int,
-        positions: torch.Tensor,
-        token_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        pick_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        assert self.embed_tokens is not None
-        layer = self.mtp_layers[layer_index]
-        embeds = self.embed_tokens(token_ids)
-        if pick_rows is None:
-            return layer(positions, embeds, hidden, meta)
-        return layer(positions, embeds, hidden, meta, pick_rows=pick_rows)
-
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None
         return self.lm_head.compute_logits(self.mtp_layers[layer_index].shared_head.norm(hidden))
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
 
     def load_weights(
         self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int
