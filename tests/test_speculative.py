@@ -193,3 +193,23 @@ def test_logprobs_under_speculation_are_the_targets(models) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.token_id == y.token_id and x.top_token_ids == y.top_token_ids
         assert abs(x.logprob - y.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+def test_speculation_under_preemption_and_prefix_caching(models, baseline, method: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    # 9 blocks of 16 tokens (with the draft lookahead) cannot hold all four requests at once.
+    with LLM(
+        str(models["target"]),
+        speculative_config=_spec(models, method, 3),
+        num_kv_blocks=9,
+        max_model_len=96,
+    ) as llm:
+        assert _tokens(llm.generate(PROMPTS, params)) == baseline["target"]
+        assert llm.engine.get_stats().num_preemptions > 0
+        # Again, now with the prompts' full blocks in the prefix cache.
+        hits = llm.engine.get_stats().prefix_cache_hits
+        assert _tokens(llm.generate(PROMPTS, params)) == baseline["target"]
+        stats = llm.engine.get_stats()
+        assert stats.prefix_cache_hits > hits
+        assert stats.num_used_kv_blocks == 0
