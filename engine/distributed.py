@@ -151,6 +151,14 @@ def broadcast_object(obj: Any, group: Any) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any, group: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 of ``group`` (in rank order); None on the other ranks."""
+    rank = dist.get_rank(group)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
 def start_parent_watchdog(exit_code: int = 3) -> None:
     """End this (spawned) process as soon as its parent is gone, even while the main thread is
     blocked inside a collective: a worker must never outlive the engine that started it."""

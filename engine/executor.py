@@ -3,7 +3,9 @@
 ``UniProcExecutor`` runs the single rank in-process. ``MultiProcExecutor`` runs tensor-parallel
 ranks: rank 0 in the calling process, ranks 1..N-1 in spawned processes (or, under an external
 launcher such as ``torchrun``, in the launcher's processes). Both keep the same interface: the
-engine never knows how many ranks there are.
+engine never knows how many ranks there are. Under attention DP the engine hands over every
+rank's ``StepInput`` at once (``DPStepInput``); each rank runs its own entry and rank 0 gathers
+and merges every rank's output.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from engine.distributed import (
     collective_timeout,
     connect_store,
     destroy_distributed,
+    gather_objects,
     init_distributed,
     local_store,
     rank_device,
     start_parent_watchdog,
 )
-from engine.model_runner import StepInput, StepOutput
+from engine.model_runner import DPStepInput, StepInput, StepOutput, merge_outputs
 from engine.worker import Worker
 from models.parallel import ParallelMapping
 
@@ -49,7 +52,7 @@ JOIN_TIMEOUT_S = 5.0
 class Executor:
     num_blocks: int
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -64,7 +67,7 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         return self.worker.execute(step)
 
 
@@ -73,12 +76,15 @@ class RankFailedError(RuntimeError):
 
 
 def serve_steps(worker: Worker, control: Any) -> None:
-    """Ranks 1..N-1: run every step rank 0 broadcasts until it broadcasts ``None`` (stop)."""
+    """Ranks 1..N-1: run every step rank 0 broadcasts until it broadcasts ``None`` (stop); under
+    attention DP send this rank's output back to rank 0."""
     while True:
         step = broadcast_object(None, control)
         if step is None:
             return
-        worker.execute(step)
+        out = worker.execute(step)
+        if isinstance(step, DPStepInput):
+            gather_objects(out, control)
 
 
 def rank_process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
@@ -98,8 +104,13 @@ def _rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
 
 
 def _mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> ParallelMapping:
+    pc = config.parallel_config
     return ParallelMapping(
-        tp_size=config.parallel_config.tensor_parallel_size, tp_rank=rank, group=groups.tensor
+        tp_size=pc.tensor_parallel_size,
+        tp_rank=rank,
+        enable_attention_dp=pc.enable_attention_dp,
+        enable_lm_head_tp_in_adp=pc.enable_lm_head_tp_in_adp,
+        group=groups.tensor,
     )
 
 
@@ -268,12 +279,19 @@ class MultiProcExecutor(Executor):
 
     # ---------------------------------------------------------------- steps
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput | DPStepInput) -> StepOutput:
+        """Run a step on every rank; a plain step returns rank 0's output, an attention-DP step
+        every rank's outputs merged in rank order."""
         self.check_health()
         assert self.groups is not None
         try:
             broadcast_object(step, self.groups.control)
-            return self.worker.execute(step)
+            out = self.worker.execute(step)
+            if isinstance(step, DPStepInput):
+                outs = gather_objects(out, self.groups.control)
+                assert outs is not None
+                return merge_outputs(outs)
+            return out
         except Exception as e:
             self.failure = f"a step failed: {e}"
             # A rank that crashed is usually why; give its exit a moment to show in the report.
@@ -332,10 +350,6 @@ class MultiProcExecutor(Executor):
 
 def make_executor(config: EngineConfig) -> Executor:
     pc = config.parallel_config
-    if pc.enable_attention_dp:
-        raise ValueError(
-            "enable_attention_dp=True is not supported yet; run tensor parallel without it"
-        )
     if pc.tensor_parallel_size > 1:
         return MultiProcExecutor(config)
     return UniProcExecutor(config)

@@ -10,10 +10,11 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
+from engine.cuda_graph import GraphKey
 from engine.detokenizer import Detokenizer
 from engine.executor import Executor, make_executor
 from engine.input_processor import ContextLengthExceededError, InputProcessor
-from engine.model_runner import RequestStep, StepInput
+from engine.model_runner import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import Request, RequestStatus, SpecStats
 from engine.sampling_params import SamplingParams
@@ -59,14 +60,27 @@ class LLMEngine:
         )
         self.executor = executor or make_executor(config)
         cc = config.cache_config
-        self.block_manager = BlockManager(
-            self.executor.num_blocks, cc.block_size, cc.enable_prefix_caching
-        )
         sc = config.speculative_config
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
-        self.scheduler = Scheduler(
-            config.scheduler_config, self.block_manager, lookahead=2 * self.num_spec_tokens
-        )
+        pc = config.parallel_config
+        # Attention DP: every rank owns its requests and KV cache, so one scheduler and block
+        # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
+        self.dp_size = pc.tensor_parallel_size if pc.enable_attention_dp else 1
+        num_blocks = self.executor.num_blocks
+        if self.dp_size > 1:
+            num_blocks -= num_dummy_blocks(cc.block_size, self.num_spec_tokens)
+        self.block_managers = [
+            BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+            for _ in range(self.dp_size)
+        ]
+        self.schedulers = [
+            Scheduler(config.scheduler_config, bm, lookahead=2 * self.num_spec_tokens)
+            for bm in self.block_managers
+        ]
+        self.block_manager = self.block_managers[0]
+        self.scheduler = self.schedulers[0]
+        self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
+        self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.spec_stats = SpecStats()
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -74,11 +88,14 @@ class LLMEngine:
             mc.max_model_len,
             self.eos_token_ids,
             cc.block_size,
-            self.executor.num_blocks,
+            num_blocks,
             lookahead=2 * self.num_spec_tokens,
             speculative=sc is not None,
         )
         self.detok: dict[str, Detokenizer] = {}
+        # The requests the current (or last) step scheduled; None until it has scheduled. The
+        # engine process fails exactly these when a step raises.
+        self.step_request_ids: list[str] | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -113,17 +130,28 @@ class LLMEngine:
         self.detok[request.request_id] = Detokenizer(
             self.tokenizer, p.skip_special_tokens, p.stop_strings
         )
-        self.scheduler.add(request)
+        rank = self._least_loaded_rank()
+        if request.request_id in self.rank_of:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.schedulers[rank].add(request)
+        self.rank_of[request.request_id] = rank
         self.prompt_tokens_total += request.num_prompt_tokens
         return request
 
+    def _least_loaded_rank(self) -> int:
+        """The DP rank with the fewest unfinished requests (lowest rank on ties)."""
+        loads = [s.num_running + s.num_waiting for s in self.schedulers]
+        return loads.index(min(loads))
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.abort(rid)
+            rank = self.rank_of.pop(rid, None)
+            if rank is not None:
+                self.schedulers[rank].abort(rid)
             self.detok.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
 
     # -------------------------------------------------------------- step
 
@@ -155,18 +183,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that advanced or finished."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if sched.finished_request_ids:
-                self.executor.execute(StepInput([], sched.finished_request_ids))
+        self.step_request_ids = None
+        scheds = [s.schedule() for s in self.schedulers]
+        scheduled = [s for sched in scheds for s in sched.scheduled]
+        self.step_request_ids = [s.request.request_id for s in scheduled]
+        if not scheduled:
+            if any(sched.finished_request_ids for sched in scheds):
+                empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
+                self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
             return []
-        result = self.executor.execute(
-            self._step_input(sched.scheduled, sched.finished_request_ids)
-        )
-        self.scheduler.cache_computed_blocks(sched.scheduled)
+        inputs = [self._step_input(sched.scheduled, sched.finished_request_ids) for sched in scheds]
+        result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
+        # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
+        self.last_rank_paths = result.rank_paths
+        for scheduler, sched in zip(self.schedulers, scheds, strict=True):
+            scheduler.cache_computed_blocks(sched.scheduled)
         now = time.monotonic()
         outputs = []
-        by_id = {s.request.request_id: s.request for s in sched.scheduled}
+        by_id = {s.request.request_id: s.request for s in scheduled}
         for i, rid in enumerate(result.request_ids):
             request = by_id[rid]
             if request.is_finished:  # aborted while the step ran
@@ -193,7 +227,7 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             if status is not None:
-                self.scheduler.finish(request, status)
+                self.schedulers[self.rank_of.pop(rid)].finish(request, status)
             elif self.num_spec_tokens:
                 room = (
                     min(
@@ -258,18 +292,21 @@ class LLMEngine:
     # -------------------------------------------------------------- stats
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        """Totals over the DP ranks (one rank without attention DP)."""
+        bms, scheds = self.block_managers, self.schedulers
+        total = sum(bm.num_blocks for bm in bms)
+        used = sum(bm.num_used_blocks for bm in bms)
         return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_kv_blocks=bm.num_blocks,
-            num_used_kv_blocks=bm.num_used_blocks,
-            kv_cache_usage=bm.usage,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_running=sum(s.num_running for s in scheds),
+            num_waiting=sum(s.num_waiting for s in scheds),
+            num_kv_blocks=total,
+            num_used_kv_blocks=used,
+            kv_cache_usage=used / total,
+            num_preemptions=sum(s.num_preemptions for s in scheds),
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
-            prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
+            prefix_cache_queries=sum(bm.prefix_queries for bm in bms),
+            prefix_cache_hits=sum(bm.prefix_hits for bm in bms),
             spec_num_drafts=self.spec_stats.num_drafts,
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,

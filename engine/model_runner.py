@@ -13,13 +13,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.cuda_graph import CUDAGraphRunner, GraphKey, is_generation_request, sampling_variant
 from engine.request import TokenLogprobs
-from engine.sampler import RowSamplingInfo, SamplingTensors, compute_logprobs, sample
+from engine.sampler import (
+    GREEDY_EPS,
+    RowSamplingInfo,
+    SamplingTensors,
+    compute_logprobs,
+    sample,
+)
 from engine.sampling_params import SamplingParams
 from engine.speculative.decoder import SpecDecoder, VerifyLayout
 from engine.speculative.interface import SpecMetadata
 from kernels.paged_attention import build_attention_plan
 from models.attention import AttentionMetadata
+from models.parallel import all_ranks_true
 
 
 @dataclass
@@ -51,6 +59,73 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs] | None]
     num_drafts: list[int] = field(default_factory=list)  # drafts verified per request
     draft_token_ids: list[list[int]] = field(default_factory=list)  # proposals for next step
+    # Attention DP: per rank (rank order once merged), whether the draft loop sampled
+    # (advanced) and the step's graph key (None: eager).
+    rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
+
+
+@dataclass
+class DPStepInput:
+    """Attention DP: every rank's ``StepInput`` (index = rank). Every rank receives all of them,
+    so the per-rank row counts the MLP collectives need are host data known everywhere."""
+
+    steps: list[StepInput]
+
+
+# Dummy greedy generation requests on reserved KV blocks keep an idle rank (or one without a
+# sampled request) in step with the others' collectives, and pad batches to a graph bucket.
+# Never reported, never counted in statistics.
+ADP_DUMMY_REQUEST_ID = "__adp_dummy__"
+_DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def num_dummy_blocks(block_size: int, num_spec_tokens: int) -> int:
+    """KV blocks reserved for the dummy request: its token plus the draft loop's lookahead."""
+    return -(-(2 * num_spec_tokens + 2) // block_size)
+
+
+def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]:
+    """When any rank has work, every rank without a sampled request gets ``dummy``, so every rank
+    runs the target forward, the verify and the whole draft loop (same collectives)."""
+    if not any(s.requests for s in steps):
+        return steps
+    return [
+        s
+        if any(r.sample for r in s.requests)
+        else StepInput([*s.requests, dummy], s.finished_request_ids)
+        for s in steps
+    ]
+
+
+def is_dummy(request_id: str) -> bool:
+    return request_id.startswith(ADP_DUMMY_REQUEST_ID)
+
+
+def drop_dummy(out: StepOutput) -> StepOutput:
+    keep = [i for i, rid in enumerate(out.request_ids) if not is_dummy(rid)]
+    if len(keep) == len(out.request_ids):
+        return out
+    return StepOutput(
+        [out.request_ids[i] for i in keep],
+        [out.token_ids[i] for i in keep],
+        [out.logprobs[i] for i in keep],
+        [out.num_drafts[i] for i in keep] if out.num_drafts else [],
+        [out.draft_token_ids[i] for i in keep] if out.draft_token_ids else [],
+        out.rank_paths,
+    )
+
+
+def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Every rank's output, in rank order (attention DP)."""
+    merged = StepOutput([], [], [])
+    for o in outputs:
+        merged.request_ids += o.request_ids
+        merged.token_ids += o.token_ids
+        merged.logprobs += o.logprobs
+        merged.num_drafts += o.num_drafts
+        merged.draft_token_ids += o.draft_token_ids
+        merged.rank_paths += o.rank_paths
+    return merged
 
 
 @dataclass
@@ -73,14 +148,22 @@ class ModelRunner:
         seed: int,
         spec: SpecDecoder | None = None,
         capture_layers: tuple[int, ...] = (),
+        dp_rank: int = 0,
     ) -> None:
         self.model = model
+        self.dp_rank = dp_rank
+        self.dummy_block_ids: list[int] = []  # attention DP: the reserved blocks (last ones)
+        self.graphs: CUDAGraphRunner | None = None  # set by the worker
         self.device = device
         self.block_size = block_size
         self.vocab_size = int(model.config.vocab_size)
         self.spec = spec
         self.capture_layers = capture_layers
         self.k = spec.k if spec is not None else 0
+        # Kept across steps: the group greedy flag is cleared and re-derived every step.
+        self.spec_meta = (
+            SpecMetadata(spec.k, spec.config.use_rejection_sampling) if spec is not None else None
+        )
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         torch.manual_seed(seed)
@@ -109,10 +192,26 @@ class ModelRunner:
             v = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.k_cache, attn.v_cache = k, v
             self.kv_caches.append((k, v))
+        n = num_dummy_blocks(self.block_size, self.k)
+        self.dummy_block_ids = list(range(num_blocks - n, num_blocks))
 
     # ---------------------------------------------------------------- inputs
 
-    def prepare(self, step: StepInput) -> PreparedInputs:
+    def dummy_step(self, index: int = 0) -> RequestStep:
+        """A greedy generation request (one token plus K zero drafts) on the reserved blocks."""
+        return RequestStep(
+            request_id=f"{ADP_DUMMY_REQUEST_ID}{index}",
+            token_ids=[0] * (1 + self.k),
+            start=0,
+            block_ids=list(self.dummy_block_ids),
+            sample=True,
+            params=_DUMMY_PARAMS,
+            num_drafts=self.k,
+        )
+
+    def prepare(
+        self, step: StepInput, adp_counts: tuple[list[int], list[int]] | None = None
+    ) -> PreparedInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -163,6 +262,8 @@ class ModelRunner:
             max_seq_len=max_s,
             plan=plan,
         )
+        if adp_counts is not None:
+            meta.all_rank_num_tokens, meta.all_rank_num_picked = adp_counts
         inp = PreparedInputs(
             t(ids, torch.int64),
             t(positions, torch.int64),
@@ -248,19 +349,68 @@ class ModelRunner:
     # ---------------------------------------------------------------- step
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute_dp(self, dp_step: DPStepInput) -> StepOutput:
+        """Attention DP: run this rank's entry, padded with the dummy request where needed; the
+        per-rank counts come from every rank's (padded) entry."""
+        steps = adp_pad_steps(dp_step.steps, self.dummy_step(-1))
+        own = steps[self.dp_rank]
+        if not own.requests:  # no rank has work: no collective at all
+            return self.execute(own)
+        # Sampling path first (group-synced), then the graph key and padding, then the forward.
+        sampled = [r for r in own.requests if r.sample]
+        # The sampler's own test (``SamplingTensors.all_greedy``), so the rescan agrees.
+        local_greedy = all(
+            r.params is not None and r.params.temperature < GREEDY_EPS for r in sampled
+        )
+        advanced = False
+        if self.spec is not None:
+            assert self.spec_meta is not None
+            self.scan_sampling_path(self.spec_meta, local_greedy)
+            advanced = self.spec_meta.wants_advanced_draft_sampling
+        can_graph = all(
+            is_generation_request(len(r.token_ids), r.num_drafts, r.sample) for r in own.requests
+        )
+        variant = sampling_variant(self.k, advanced, local_greedy)
+        assert self.graphs is not None
+        plan = self.graphs.plan(can_graph, len(own.requests), variant)
+        if plan.key is not None:  # every rank pads to the same bucket (all know every entry)
+            steps = [self.pad_generation(s, plan.key.batch_size - len(s.requests)) for s in steps]
+        counts = [sum(len(r.token_ids) for r in s.requests) for s in steps]
+        picked = [sum(r.sample for r in s.requests) for s in steps]
+        out = self.execute(steps[self.dp_rank], (counts, picked), scanned=True)
+        if self.spec is not None:
+            self.spec.forget([rid for rid in self.spec.draft_q if is_dummy(rid)])
+        out = drop_dummy(out)
+        out.rank_paths = [(advanced, plan.key)]
+        return out
+
+    def pad_generation(self, step: StepInput, n: int) -> StepInput:
+        """``step`` plus ``n`` dummy generation requests (graph padding; reserved blocks)."""
+        if n <= 0:
+            return step
+        dummies = [self.dummy_step(len(step.requests) + i) for i in range(n)]
+        return StepInput([*step.requests, *dummies], step.finished_request_ids)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        step: StepInput,
+        adp_counts: tuple[list[int], list[int]] | None = None,
+        scanned: bool = False,
+    ) -> StepOutput:
+        """``scanned``: the sampling path was already scanned (and group-synced) this step."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
         if self.spec is not None:
             self.spec.forget(step.finished_request_ids)
         if not step.requests:
             return StepOutput([], [], [])
-        inp = self.prepare(step)
+        inp = self.prepare(step, adp_counts)
         hidden, captured = self.model(
             inp.input_ids, inp.positions, inp.meta, capture_layers=self.capture_layers
         )
         if self.spec is not None:
-            return self._execute_spec(inp, hidden, captured)
+            return self._execute_spec(inp, hidden, captured, scanned)
         if not inp.sampled:
             return StepOutput([], [], [])
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
@@ -279,8 +429,26 @@ class ModelRunner:
                     ]
         return StepOutput([r.request_id for r in inp.sampled], [[t] for t in token_ids], logprobs)
 
+    def scan_sampling_path(self, meta: SpecMetadata, local_all_greedy: bool) -> None:
+        """The step's sampling path, before anything (the CUDA-graph key included) reads it:
+        clear last step's group value, pre-scan locally, and under ADP + LM-head TP + rejection
+        sampling AND the flags over the TP group (the greedy and advanced draft paths run
+        different collectives, so every rank must take the same one)."""
+        spec = self.spec
+        assert spec is not None
+        meta.reset_group_flag()
+        meta.is_all_greedy_sample = local_all_greedy
+        if spec.lm_head_tp and meta.use_rejection_sampling:
+            meta.group_all_greedy_sample = all_ranks_true(
+                local_all_greedy, spec.mapping, self.device
+            )
+
     def _execute_spec(
-        self, inp: PreparedInputs, hidden: torch.Tensor, captured: list[torch.Tensor]
+        self,
+        inp: PreparedInputs,
+        hidden: torch.Tensor,
+        captured: list[torch.Tensor],
+        scanned: bool = False,
     ) -> StepOutput:
         spec = self.spec
         assert spec is not None
@@ -295,8 +463,12 @@ class ModelRunner:
         layout = inp.layout
         assert layout is not None and inp.next_tokens is not None
         st = self.sampling_tensors(inp.sampled)
-        meta = SpecMetadata(spec.k, spec.config.use_rejection_sampling)
-        meta.is_all_greedy_sample = st.all_greedy
+        meta = self.spec_meta
+        assert meta is not None
+        if scanned:  # a rescan: the group value (if any) still decides
+            meta.is_all_greedy_sample = st.all_greedy
+        else:
+            self.scan_sampling_path(meta, st.all_greedy)
         b, k1 = layout.rows.shape
         logits = self.model.compute_logits(hidden[layout.rows.view(-1)]).float().view(b, k1, -1)
         request_ids = [r.request_id for r in inp.sampled]

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, StepInput, StepOutput
+from engine.cuda_graph import CUDAGraphRunner
+from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
@@ -72,7 +73,20 @@ class Worker:
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
         self.runner = ModelRunner(
-            self.model, config.device, config.cache_config.block_size, mc.seed, spec, capture
+            self.model,
+            config.device,
+            config.cache_config.block_size,
+            mc.seed,
+            spec,
+            capture,
+            dp_rank=self.mapping.tp_rank if self.mapping.enable_attention_dp else 0,
+        )
+        self.runner.graphs = CUDAGraphRunner(
+            config.scheduler_config.max_num_seqs,
+            self.runner.k,
+            self.mapping,
+            config.device,
+            enabled=self.mapping.uses_adp_collectives,
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
@@ -86,5 +100,9 @@ class Worker:
             self.num_blocks * self.bytes_per_block / 2**20,
         )
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepInput | DPStepInput) -> StepOutput:
+        """A plain step, or (attention DP) every rank's entries, of which this rank runs its own
+        and returns its own output."""
+        if isinstance(step, DPStepInput):
+            return self.runner.execute_dp(step)
         return self.runner.execute(step)

@@ -26,6 +26,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: Any = None  # kernel-side index tensors shared by every layer of the step
+    # Attention DP: every rank's row count this step (the MLP all-gathers by it), and every
+    # rank's picked-row count (one per sampled request) for row-picked draft steps.
+    all_rank_num_tokens: list[int] | None = None
+    all_rank_num_picked: list[int] | None = None
 
 
 class PagedAttention(nn.Module):

@@ -212,7 +212,7 @@ def _llama_config(meta: dict[str, Any], shapes: dict[str, list[int]], dtype: tor
         head_dim=int(get("rope.dimension_count", hidden // heads)),
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=eps,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rope_theta=theta,  # transformers 5 files it under rope_parameters
         tie_word_embeddings="output.weight" not in shapes,
         bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 1)),
         eos_token_id=eos,

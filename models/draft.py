@@ -29,6 +29,15 @@ class DraftHead(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    def final_norm(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The norm before the LM head (``compute_logits`` = head(final_norm(hidden)))."""
+        raise NotImplementedError
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The full (replicated) draft LM-head weight, [draft_V, H]."""
+        raise NotImplementedError
+
     def forward(
         self,
         layer_index: int,

@@ -48,7 +48,8 @@ class Eagle3MidLayer(nn.Module):
         if pick_rows is not None:
             x, residual = x[pick_rows], residual[pick_rows]
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x) + residual
+        counts = meta.all_rank_num_tokens if pick_rows is None else meta.all_rank_num_picked
+        return self.mlp(x, counts) + residual
 
 
 class Eagle3Draft(DraftHead):
@@ -71,7 +72,7 @@ class Eagle3Draft(DraftHead):
         self.fc = ReplicatedLinear(3 * target_h, h, False)
         self.midlayer = Eagle3MidLayer(config, mapping)
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(self.draft_vocab_size, h, mapping)
+        self.lm_head = ParallelLMHead(self.draft_vocab_size, h, mapping.attn_mapping)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.num_layers = int(getattr(config, "num_hidden_layers", 1))
 
@@ -90,6 +91,13 @@ class Eagle3Draft(DraftHead):
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_V]."""
         return self.lm_head.compute_logits(self.norm(hidden))
+
+    def final_norm(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

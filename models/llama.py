@@ -20,7 +20,7 @@ from models.layers import (
     rope_parameters,
     silu_and_mul,
 )
-from models.parallel import ParallelMapping
+from models.parallel import ParallelMapping, adp_all_gather_rows, adp_reduce_own_rows
 from models.weights import expected_keys, load_named_weights
 
 
@@ -38,6 +38,7 @@ class LlamaAttention(nn.Module):
         input_size: int | None = None,
     ) -> None:
         super().__init__()
+        mapping = mapping.attn_mapping  # replicated under attention DP
         head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
@@ -80,15 +81,30 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """Tensor-parallel MLP. Under attention DP the weights stay sharded over the group and the
+    MLP runs on every rank's rows (all-gathered by ``all_rank_num_tokens``, reduced back)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, mapping: ParallelMapping) -> None:
         super().__init__()
+        self.mapping = mapping
+        self.adp = mapping.uses_adp_collectives
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size], False, mapping
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, mapping)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, False, mapping, reduce=not self.adp
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(
+        self, x: torch.Tensor, all_rank_num_tokens: list[int] | None = None
+    ) -> torch.Tensor:
+        if not self.adp:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        if all_rank_num_tokens is None:
+            raise RuntimeError("attention DP: the MLP needs all_rank_num_tokens")
+        rows = adp_all_gather_rows(x, all_rank_num_tokens, self.mapping)  # [tp * max, H]
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(rows)))  # partial sums
+        return adp_reduce_own_rows(out, all_rank_num_tokens, self.mapping)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, meta.all_rank_num_tokens), residual
 
 
 class LlamaModel(nn.Module):
@@ -123,7 +139,9 @@ class LlamaModel(nn.Module):
         self, config: Any, mapping: ParallelMapping, qkv_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mapping)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, mapping.attn_mapping
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, mapping, qkv_bias, qk_norm)
             for _ in range(config.num_hidden_layers)
@@ -164,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
         self.mapping = mapping
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, mapping, qkv_bias, self.qk_norm)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping)
+        # Replicated under attention DP (each rank computes its own requests' logits).
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -57,7 +57,8 @@ class MTPLayer(nn.Module):
         if pick_rows is not None:
             x, residual = x[pick_rows], residual[pick_rows]
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x) + residual
+        counts = meta.all_rank_num_tokens if pick_rows is None else meta.all_rank_num_picked
+        return self.mlp(x, counts) + residual
 
 
 class MTPDraft(DraftHead):
@@ -86,7 +87,15 @@ class MTPDraft(DraftHead):
 
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None
-        return self.lm_head.compute_logits(self.mtp_layers[layer_index].shared_head.norm(hidden))
+        return self.lm_head.compute_logits(self.final_norm(layer_index, hidden))
+
+    def final_norm(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mtp_layers[layer_index].shared_head.norm(hidden)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        assert self.lm_head is not None
+        return self.lm_head.weight
 
     def load_weights(
         self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int

@@ -318,8 +318,9 @@ def test_sharded_loading_reads_only_the_rank_slice(
 
 
 def test_configuration_errors(ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Attention DP itself is supported (tests/test_attention_dp.py); LM-head TP needs it.
     args = EngineArgs(
-        model=str(ckpts["mqa-tied"]), tensor_parallel_size=2, enable_attention_dp=True
+        model=str(ckpts["mqa-tied"]), tensor_parallel_size=2, enable_lm_head_tp_in_adp=True
     )
     with pytest.raises(ValueError, match="enable_attention_dp"):
         make_executor(args.create_engine_config())

@@ -19,7 +19,7 @@ from engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMe
 from kernels.paged_attention import build_attention_plan
 from kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from models.attention import AttentionMetadata
-from models.parallel import ParallelMapping
+from models.parallel import ParallelMapping, adp_lm_head_tp_argmax
 
 
 @dataclass
@@ -62,6 +62,9 @@ class SpecDecoder:
         self.block_size = block_size
         self.resolver = resolver
         self.vanilla = config.method == "mtp" and config.mtp_mode == "vanilla"
+        # ADP + LM-head TP: greedy drafting shards the draft LM head over the group (a collective
+        # per draft step), so the greedy/advanced choice must be group-synced.
+        self.lm_head_tp = mapping.uses_adp_collectives and mapping.enable_lm_head_tp_in_adp
         self.draft_q: dict[str, Tensor] = {}  # request id → [K, V] draft probabilities
 
     def forget(self, request_ids: list[str]) -> None:
@@ -141,6 +144,15 @@ class SpecDecoder:
         qs: list[Tensor] = []
 
         def emit(layer: int, picked_hidden: Tensor) -> None:
+            if self.lm_head_tp and not advanced:
+                counts = target_meta.all_rank_num_picked
+                if counts is None:
+                    raise RuntimeError("LM-head TP in ADP needs all_rank_num_picked")
+                normed = draft.final_norm(layer, picked_hidden)
+                ids = adp_lm_head_tp_argmax(normed, draft.lm_head_weight, counts, self.mapping)
+                drafts.append(draft.to_target_ids(ids))
+                return
+            # Advanced sampling (and no LM-head TP): the replicated head, locally.
             logits = draft.compute_logits(layer, picked_hidden).float()
             token, q = self._draft_token(logits, st, advanced)
             drafts.append(token)
@@ -170,7 +182,8 @@ class SpecDecoder:
             pos = layout.positions + num_accepted  # position of the picked row
             for _ in range(1, self.k):
                 pos = pos + 1
-                hidden = draft(0, pos, drafts[-1], hidden, self._single_row_meta(layout, pos))
+                row_meta = self._single_row_meta(layout, pos, target_meta.all_rank_num_picked)
+                hidden = draft(0, pos, drafts[-1], hidden, row_meta)
                 emit(0, hidden)
         new_drafts = torch.stack(drafts, dim=1)
         if advanced:
@@ -241,7 +254,10 @@ class SpecDecoder:
         full[:, idx] = logits
         return full
 
-    def _single_row_meta(self, layout: VerifyLayout, pos: Tensor) -> AttentionMetadata:
+    def _single_row_meta(
+        self, layout: VerifyLayout, pos: Tensor, all_rank_num_rows: list[int] | None = None
+    ) -> AttentionMetadata:
+        """One row per sampled request; ``all_rank_num_rows``: every rank's count (attention DP)."""
         b = pos.shape[0]
         bs = self.block_size
         block = layout.block_tables.gather(
@@ -263,6 +279,8 @@ class SpecDecoder:
             max_query_len=1,
             max_seq_len=layout.max_seq_len,
             plan=plan,
+            all_rank_num_tokens=all_rank_num_rows,
+            all_rank_num_picked=all_rank_num_rows,
         )
 
 
