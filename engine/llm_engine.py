@@ -62,6 +62,7 @@ class LLMEngine:
         cc = config.cache_config
         sc = config.speculative_config
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
+        self.vanilla_mtp = sc is not None and sc.method == "mtp" and sc.mtp_mode == "vanilla"
         pc = config.parallel_config
         # Attention DP: every rank owns its requests and KV cache, so one scheduler and block
         # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
@@ -177,6 +178,11 @@ class LLMEngine:
                     output_token_ids=r.output_token_ids if pen else [],
                     num_drafts=s.num_drafts,
                     next_token=r.all_token_ids[end] if end < r.num_tokens else 0,
+                    future_tokens=(
+                        r.all_token_ids[end + 1 : end + 1 + self.num_spec_tokens]
+                        if self.vanilla_mtp and not sample
+                        else []
+                    ),
                 )
             )
         return StepInput(steps, finished)

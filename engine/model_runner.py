@@ -44,6 +44,8 @@ class RequestStep:
     output_token_ids: list[int] = field(default_factory=list)
     num_drafts: int = 0  # the last num_drafts entries of token_ids are drafts to verify
     next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt
+    # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
+    future_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +139,9 @@ class PreparedInputs:
     sampled: list[RequestStep]
     layout: VerifyLayout | None = None
     next_tokens: torch.Tensor | None = None
+    future: torch.Tensor | None = None  # [S, K + 1] tokens after each request's last row
+    row_req: torch.Tensor | None = None  # [T] request index of each row
+    row_last: torch.Tensor | None = None  # [T] last row of the row's request
 
 
 class ModelRunner:
@@ -221,6 +226,9 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[RequestStep] = []
         next_tokens: list[int] = []
+        future: list[list[int]] = []
+        row_req: list[int] = []
+        row_last: list[int] = []
         max_blocks = max(len(r.block_ids) for r in step.requests)
         tables: list[list[int]] = []
         for r in step.requests:
@@ -234,6 +242,11 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             tables.append(blocks + [0] * (max_blocks - len(blocks)))
             next_tokens.append(r.next_token)
+            if self.spec is not None and self.spec.vanilla:
+                fut = [r.next_token, *r.future_tokens][: self.k + 1]
+                future.append(fut + [0] * (self.k + 1 - len(fut)))
+                row_req += [len(seq_lens) - 1] * n
+                row_last += [qsl[-1] - 1] * n
             if r.sample:
                 logits_indices.append(qsl[-1] - 1)
                 sampled.append(r)
@@ -273,6 +286,10 @@ class ModelRunner:
         )
         if self.spec is not None:
             inp.next_tokens = t(next_tokens, torch.int64)
+            if future:
+                inp.future = t(future, torch.int64)
+                inp.row_req = t(row_req, torch.int64)
+                inp.row_last = t(row_last, torch.int64)
             if sampled:
                 inp.layout = self._verify_layout(step, sampled, tables, max_s, t)
         return inp
@@ -458,7 +475,7 @@ class ModelRunner:
             assert inp.next_tokens is not None
             step_tokens = torch.roll(inp.input_ids, -1)
             step_tokens[inp.meta.query_start_loc[1:].long() - 1] = inp.next_tokens
-            spec.draft(0, inp.positions, step_tokens, draft_hidden, inp.meta)
+            spec.write_prompt_kv(inp, step_tokens, draft_hidden)
             return StepOutput([], [], [])
         layout = inp.layout
         assert layout is not None and inp.next_tokens is not None
@@ -474,6 +491,7 @@ class ModelRunner:
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)
         new_drafts = spec.propose(
+            inp,
             inp.input_ids,
             inp.positions,
             inp.meta,

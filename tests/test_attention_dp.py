@@ -58,10 +58,9 @@ def _spec(name: str, draft: Path) -> dict[str, Any] | None:
 
 
 def _budget(name: str) -> dict[str, Any]:
-    """Chunked prefill, except for vanilla MTP: its layers k >= 1 would need the k prompt tokens
-    after a chunk, which a chunk does not carry, so its chunk-end draft KV depends on the batch's
-    other rows (a single-rank limitation too) and cannot be compared across layouts."""
-    return {"dtype": "float32"} if name == "mtp-vanilla" else CHUNKED
+    """Chunked prefill for every method (vanilla MTP layers read the prompt tokens that follow
+    a chunk, which the engine passes along)."""
+    return CHUNKED
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[Any], dict[str, int], int]:

@@ -213,3 +213,31 @@ def test_speculation_under_preemption_and_prefix_caching(models, baseline, metho
         stats = llm.engine.get_stats()
         assert stats.prefix_cache_hits > hits
         assert stats.num_used_kv_blocks == 0
+
+
+def _drafts_after_each_step(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
+    requests = {f"r{i}": llm.engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)}
+    drafts: dict[str, list[list[int]]] = {rid: [] for rid in requests}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            drafts[out.request_id].append(list(requests[out.request_id].spec_token_ids))
+    return drafts
+
+
+@pytest.mark.parametrize("method", ["mtp-vanilla", "eagle3"])
+def test_drafts_do_not_depend_on_chunking(models, method: str) -> None:
+    """Every draft proposed after every step is the same with whole and chunked prefill: the
+    draft KV written for prompt rows (for vanilla MTP, by every layer, with the prompt tokens
+    that follow a chunk) does not depend on where chunks end."""
+    target = "vanilla" if method == "mtp-vanilla" else "target"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for budget in (None, 16, 7):
+        with LLM(
+            str(models[target]),
+            speculative_config=_spec(models, method, 3),
+            max_num_batched_tokens=budget,
+        ) as llm:
+            runs.append(_drafts_after_each_step(llm, PROMPTS, params))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert any(d for steps in runs[0].values() for d in steps)

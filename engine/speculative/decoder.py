@@ -108,8 +108,33 @@ class SpecDecoder:
 
     # ------------------------------------------------------------------ draft loop
 
+    def write_prompt_kv(self, inp: Any, step_tokens: Tensor, draft_hidden: Tensor) -> None:
+        """A step where no request samples (chunks that stop mid-prompt): the draft layers
+        still write their KV for every row, as step 0 of the draft loop would."""
+        if not self.vanilla:
+            self.draft(0, inp.positions, step_tokens, draft_hidden, inp.meta)
+            return
+        hidden = draft_hidden
+        for k in range(self.k):
+            tokens = self._vanilla_tokens(k, step_tokens, inp)
+            hidden = self.draft(k, inp.positions, tokens, hidden, inp.meta)
+
+    def _vanilla_tokens(self, k: int, step_tokens: Tensor, inp: Any) -> Tensor:
+        """Layer k's input token of every row: the token k + 1 positions ahead of it, from the
+        step's own rows, or past a chunk's last row from the prompt tokens that follow it."""
+        if k == 0:
+            return step_tokens
+        t = step_tokens.shape[0]
+        idx = torch.arange(t, device=step_tokens.device) + k
+        tokens = step_tokens[idx.clamp(max=t - 1)]
+        if inp.future is None:
+            return tokens
+        ahead = (idx - inp.row_last).clamp(0, self.k)
+        return torch.where(idx > inp.row_last, inp.future[inp.row_req, ahead], tokens)
+
     def propose(
         self,
+        inp: Any,
         input_ids: Tensor,
         positions: Tensor,
         target_meta: AttentionMetadata,
@@ -161,6 +186,7 @@ class SpecDecoder:
 
         if self.vanilla:
             self._propose_vanilla(
+                inp,
                 positions,
                 step_tokens,
                 draft_hidden,
@@ -196,6 +222,7 @@ class SpecDecoder:
 
     def _propose_vanilla(
         self,
+        inp: Any,
         positions: Tensor,
         step_tokens: Tensor,
         draft_hidden: Tensor,
@@ -216,14 +243,12 @@ class SpecDecoder:
         g = gather_ids[owner.clamp(min=0)]
         hidden = draft_hidden
         for k in range(self.k):
-            if k == 0:
-                tokens = step_tokens
-            else:
+            tokens = self._vanilla_tokens(k, step_tokens, inp)
+            if k > 0:  # past the picked row: this step's new drafts
                 idx = rows + k
-                shifted = step_tokens[idx.clamp(max=t - 1)]
                 made = torch.stack(drafts, dim=1)  # [B, k]
                 m = (idx - g - 1).clamp(0, k - 1)
-                tokens = torch.where((owner >= 0) & (idx > g), made[owner.clamp(min=0), m], shifted)
+                tokens = torch.where((owner >= 0) & (idx > g), made[owner.clamp(min=0), m], tokens)
             last = k == self.k - 1
             if last and pick:
                 out = self.draft(k, positions, tokens, hidden, meta, pick_rows=gather_ids)
