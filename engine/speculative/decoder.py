@@ -98,7 +98,9 @@ class SpecDecoder:
 
     def _stored_q(self, request_ids: list[str], drafts: Tensor, vocab: int) -> Tensor:
         """Per-request draft probabilities; one-hot placeholders where none are stored (fresh or
-        argmax-drafted requests), which keeps acceptance exact (strict) for them."""
+        argmax-drafted requests, or a malformed buffer). A one-hot q at draft d accepts d with
+        probability p(d) and otherwise samples p without d: exactly strict acceptance, which is
+        lossless whatever produced d. So a missing q fails closed."""
         q = F.one_hot(drafts, vocab).to(torch.float32)
         for i, rid in enumerate(request_ids):
             stored = self.draft_q.get(rid)
