@@ -63,6 +63,10 @@ class RequestFailedError(EngineError):
     """The engine failed while running the request (a server fault, not the client's)."""
 
 
+class RequestAbortedError(EngineError):
+    """The server aborted the request before it finished (e.g. it is shutting down)."""
+
+
 class RequestStatsSink(Protocol):
     """Receives per-request latency observations (the server's Prometheus metrics)."""
 
@@ -116,14 +120,18 @@ class RequestGroup:
                 while not self._queue.empty():
                     batch.append(self._queue.get_nowait())
                 latest: dict[int, RequestOutput] = {}
+                error: BaseException | None = None
                 for item in batch:
                     if isinstance(item, BaseException):
-                        raise item
+                        error = item  # after what arrived before it
+                        break
                     latest[item[0]] = item[1]
                 for index, out in latest.items():
                     if out.finished:
                         self._finished[index] = True
                     yield index, out
+                if error is not None:
+                    raise error
         finally:
             self.abort()
 
@@ -294,7 +302,12 @@ class AsyncLLM:
         proc = self._proc
         if proc is None:
             return
-        proc.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while proc.is_alive() and time.monotonic() < deadline:
+            # Keep reading: an engine exits only once its queue has flushed what it sent, and
+            # nobody else reads any more (the reader thread stops when closing).
+            self._discard_outputs()
+            proc.join(0.05)
         if proc.is_alive():
             logger.warning("engine process did not stop; terminating it")
             proc.terminate()
@@ -302,6 +315,13 @@ class AsyncLLM:
         if proc.is_alive():
             proc.kill()
             proc.join(5.0)
+
+    def _discard_outputs(self) -> None:
+        try:
+            while True:
+                self._out_q.get_nowait()
+        except (queue.Empty, EOFError, OSError, ValueError):
+            pass
 
     # -------------------------------------------------------------- requests
 
@@ -357,6 +377,15 @@ class AsyncLLM:
         ids = [rid for rid in ids if self._tracked.pop(rid, None) is not None]
         if ids and self.dead_reason is None and not self._closing:
             self._in_q.put(AbortRequests(ids))
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every request in flight; each of their streams raises ``RequestAbortedError``
+        with ``reason``. Returns how many were aborted."""
+        tracked = list(self._tracked.items())
+        for _, t in tracked:
+            t.group._put(RequestAbortedError(reason))
+        self.abort([rid for rid, _ in tracked])
+        return len(tracked)
 
     @property
     def num_in_flight(self) -> int:

@@ -6,9 +6,11 @@ runs one ``step()`` and sends that step's outputs in one message together with a
 and a heartbeat timestamp. When idle it still sends a heartbeat every ``heartbeat_interval_s``,
 so the API process can tell a busy engine from a dead or hung one.
 
-A step that raises fails the requests it was running (``RequestsFailed``) and the loop carries
-on; after ``max_consecutive_failures`` failing steps in a row it reports ``EngineDead`` and the
-process exits non-zero.
+A step that raises fails the requests that step was running (``RequestsFailed``; waiting and
+other requests are untouched) and the loop carries on, unless the engine cannot be trusted any
+more: aborting the failed requests raised, the executor's health check fails (a rank is gone),
+or ``max_consecutive_failures`` steps failed in a row. Then it reports ``EngineDead`` and the
+process exits non-zero. Test-only fault injection: ``engine/fault_injection.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.config import EngineArgs
+from engine.fault_injection import FaultPlan
 from engine.input_processor import InputProcessor
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import Request
@@ -185,6 +188,20 @@ def warm_up(engine: Any) -> None:
     engine.block_manager.reset_prefix_cache()
 
 
+def _failed_step_requests(engine: EngineLike, live: set[str]) -> list[str]:
+    """The live requests the failed step was running (all live ones if the engine cannot say:
+    ``LLMEngine.step_request_ids`` is None until a step has scheduled)."""
+    ids = getattr(engine, "step_request_ids", None)
+    return sorted(live if ids is None else live.intersection(ids))
+
+
+def _check_recoverable(engine: EngineLike) -> None:
+    """Raise if the engine cannot go on after a failed step (e.g. a rank is gone)."""
+    executor = getattr(engine, "executor", None)
+    if executor is not None:
+        executor.check_health()
+
+
 def _drain(in_q: QueueLike, block: bool, timeout: float) -> list[Any]:
     msgs: list[Any] = []
     if block:
@@ -246,15 +263,21 @@ def run_engine_loop(
             except Exception as e:
                 failures += 1
                 logger.exception("engine step failed (%d in a row)", failures)
-                failed = sorted(live)
-                live.clear()
+                failed = _failed_step_requests(engine, live)
+                live.difference_update(failed)
                 message = f"the engine failed while running this request: {type(e).__name__}: {e}"
                 try:
                     engine.abort_request(failed)
-                except Exception:
-                    logger.exception("aborting the failed requests failed too")
+                    _check_recoverable(engine)
+                except Exception as fatal:
+                    logger.exception("the engine cannot recover from the failed step")
                     out_q.put(RequestsFailed(failed, message))
-                    out_q.put(EngineDead(f"engine state is broken after: {message}"))
+                    out_q.put(
+                        EngineDead(
+                            f"engine state is broken after: {message} "
+                            f"({type(fatal).__name__}: {fatal})"
+                        )
+                    )
                     return 1
                 out_q.put(RequestsFailed(failed, message))
                 if failures >= max_consecutive_failures:
@@ -293,6 +316,9 @@ def run_engine_core(
     try:
         engine = LLMEngine.from_engine_args(engine_args)
         warm_up(engine)
+        faults = FaultPlan.from_env()  # test-only; None unless TANDEM_TEST_FAULTS is set
+        if faults is not None:
+            faults.install(engine)
         mc = engine.config.model_config
         info = EngineInfo(
             num_blocks=engine.block_manager.num_blocks,

@@ -17,12 +17,18 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_llm import RequestGroup
 from engine.config import EngineArgs
 from server import __version__
-from server.errors import APIError, bad_request, error_body, install_error_handlers
+from server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    install_error_handlers,
+    payload_too_large,
+)
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +77,50 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Answers 413 for request bodies over ``limit`` bytes, declared (Content-Length) or
+    streamed (chunked), before the app parses them. The body is read here and replayed to the
+    app; later ``receive`` calls reach the client (disconnect detection still works)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await payload_too_large(self.limit).response()(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await payload_too_large(self.limit).response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: bytes | None = b"".join(chunks)
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return message
+
+        await self.app(scope, replay, send)
+
+
 def _state(request: Request) -> ServerState:
     return request.app.state.tandem
 
@@ -110,6 +160,8 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
     app = FastAPI(title="Tandem", version=__version__, lifespan=lifespan)
     app.state.tandem = state
     install_error_handlers(app)
+    # The last one added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
 
@@ -124,6 +176,7 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
 
     @app.get("/ready")
     async def ready() -> Response:
+        """Readiness: 503 while loading, shutting down or when the engine is gone."""
         try:
             state.require_ready()
         except APIError as e:

@@ -18,6 +18,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # After the engine dies, /health answers 503 for this long before the server exits non-zero.
 ENGINE_DEAD_EXIT_DELAY_S = 5.0
+# Seconds past --shutdown-timeout before uvicorn cancels what is still running.
+SHUTDOWN_GRACE_S = 5
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -38,7 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    s.add_argument("model", nargs="?", default=None, help="local Hugging Face model folder")
+    s.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model folder (default: the built-in SmolLM2-135M-Instruct)",
+    )
+    s.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML preset of engine fields (configs/*.yaml); options given here override it",
+    )
 
     http = s.add_argument_group("HTTP server")
     http.add_argument("--host", default=DEFAULT_HOST)
@@ -61,6 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds without a word from the engine (one step) before it counts as hung",
+    )
+    http.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they are aborted",
+    )
+    http.add_argument(
+        "--max-request-body-size",
+        type=_size,
+        default=16 << 20,
+        help="larger request bodies get a 413 (default 16MiB)",
+    )
+    http.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a 'chat_template' sent with a chat request (rendered in a sandbox, but it "
+        "runs a client's template: off by default)",
     )
 
     eng = s.add_argument_group("engine")
@@ -86,8 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
     par = s.add_argument_group("parallelism and speculation")
-    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    par.add_argument("--enable-attention-dp", action="store_true")
+    par.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="local rank processes"
+    )
+    par.add_argument(
+        "--enable-attention-dp",
+        action="store_true",
+        help="each rank owns its requests and KV cache; MLPs run across ranks",
+    )
+    par.add_argument(
+        "--enable-lm-head-tp-in-adp",
+        action="store_true",
+        help="under attention DP, split the LM head's vocabulary across ranks for greedy drafts",
+    )
     par.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": ...}'")
     return parser
 
@@ -96,17 +138,6 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do)."""
     from engine.config import EngineArgs
 
-    if ns.model is None:
-        raise ValueError(
-            "no MODEL given: pass a local Hugging Face model folder, e.g. "
-            "`tandem serve ./SmolLM2-135M-Instruct` (a built-in default model comes later)"
-        )
-    if ns.tensor_parallel_size != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {ns.tensor_parallel_size} is not supported yet; use 1"
-        )
-    if ns.enable_attention_dp:
-        raise ValueError("--enable-attention-dp is not supported yet")
     spec = None
     if ns.speculative_config is not None:
         try:
@@ -118,8 +149,13 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
                 '--speculative-config must be a JSON object, e.g. \'{"method": "mtp"}\''
             )
     names = ns.served_model_name or []
+    model = ns.model
+    if model is None:  # the built-in SmolLM2-135M-Instruct, converted once into the cache
+        from models.builtin import builtin_model_path
+
+        model = builtin_model_path()
     return EngineArgs(
-        model=ns.model,
+        model=model,
         tokenizer=ns.tokenizer,
         dtype=ns.dtype,
         device=ns.device,
@@ -136,6 +172,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         num_kv_blocks=ns.num_kv_blocks,
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,
+        enable_lm_head_tp_in_adp=ns.enable_lm_head_tp_in_adp,
         served_model_name=names[0] if names else None,
     )
 
@@ -144,11 +181,14 @@ def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
+    from server.lifecycle import GracefulServer
     from server.state import ServerSettings
 
     level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(ns)
+    for name, value in getattr(ns, "config_engine_fields", {}).items():  # --config keys, no flag
+        setattr(engine_args, name, value)
     holder: dict[str, Any] = {}
 
     def on_engine_dead(reason: str) -> None:
@@ -163,6 +203,12 @@ def serve(ns: argparse.Namespace) -> int:
 
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, stop)
 
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
+    if ns.max_request_body_size < 1:
+        raise ValueError(
+            f"--max-request-body-size must be positive, got {ns.max_request_body_size}"
+        )
     settings = ServerSettings(
         api_key=ns.api_key or None,
         served_model_names=list(ns.served_model_name or []),
@@ -171,6 +217,9 @@ def serve(ns: argparse.Namespace) -> int:
         heartbeat_timeout_s=ns.engine_heartbeat_timeout,
         log_level=level,
         on_engine_dead=on_engine_dead,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        max_request_body_bytes=ns.max_request_body_size,
+        allow_request_chat_template=ns.trust_request_chat_template,
     )
     try:
         app = build_app(engine_args, settings)
@@ -181,9 +230,15 @@ def serve(ns: argparse.Namespace) -> int:
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,
-        timeout_graceful_shutdown=10,
+        # A backstop: the app aborts what is still running after --shutdown-timeout.
+        timeout_graceful_shutdown=int(ns.shutdown_timeout) + SHUTDOWN_GRACE_S,
     )
-    server = uvicorn.Server(config)
+    state = app.state.tandem
+    server = GracefulServer(
+        config,
+        on_drain=state.begin_drain,
+        on_force_exit=state.force_stop,
+    )
     holder["server"] = server
     logger.info("serving on http://%s:%d (API key %s)", ns.host, ns.port,
                 "required" if settings.api_key else "not required")  # fmt: skip
@@ -194,11 +249,43 @@ def serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _options_given(argv: list[str]) -> set[str]:
+    """Destinations of the ``serve`` options present in ``argv`` (not filled in by defaults)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices["serve"]._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def apply_config_file(ns: argparse.Namespace, argv: list[str]) -> None:
+    """Fill ``ns`` from ``--config FILE``: options given in ``argv`` win over the file, the file
+    over the defaults. File keys without a command-line option go to ``ns.config_engine_fields``
+    (``serve`` sets them on ``EngineArgs``)."""
+    ns.config_engine_fields = {}
+    if getattr(ns, "config", None) is None:
+        return
+    from engine.presets import load_preset
+
+    given = _options_given(argv)
+    for key, value in load_preset(ns.config).items():
+        dest = {"kv_cache_memory_bytes": "kv_cache_memory"}.get(key, key)
+        if not hasattr(ns, dest):
+            ns.config_engine_fields[key] = value
+        elif dest not in given:
+            if value is not None and key == "served_model_name":
+                value = [value]
+            elif value is not None and key == "speculative_config":
+                value = json.dumps(value)  # what --speculative-config holds
+            setattr(ns, dest, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "serve":
         try:
+            apply_config_file(ns, sys.argv[1:] if argv is None else argv)
             return serve(ns)
         except ValueError as e:
             print(f"tandem serve: error: {e}", file=sys.stderr)

@@ -16,10 +16,25 @@ logger = logging.getLogger(__name__)
 _LOC_NOISE = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` without lone surrogates (a message may quote a client's invalid Unicode, which
+    UTF-8 cannot encode)."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {
+        "error": {
+            "message": _printable(message),
+            "type": type_,
+            "param": _printable(param),
+            "code": code,
+        }
+    }
 
 
 class APIError(Exception):
@@ -32,6 +47,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -39,10 +55,13 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         return JSONResponse(
-            error_body(self.message, self.type, self.param, self.code), status_code=self.status
+            error_body(self.message, self.type, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
         )
 
 
@@ -67,8 +86,20 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def server_unavailable(message: str, code: str) -> APIError:
-    return APIError(503, message, "server_error", None, code)
+def server_unavailable(message: str, code: str, retry_after_s: int | None = None) -> APIError:
+    """A 503; with ``retry_after_s`` it carries ``Retry-After`` (the condition is temporary)."""
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return APIError(503, message, "server_error", None, code, headers)
+
+
+def payload_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is larger than this server accepts ({limit} bytes).",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 def server_fault(message: str) -> APIError:

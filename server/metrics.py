@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,6 +28,7 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("gauge", "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
     ("gauge", "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
     ("gauge", "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", lambda s: s.kv_cache_usage),
+    ("gauge", "kv_cache_used_blocks", "KV cache blocks held by requests.", lambda s: s.num_used_kv_blocks),
     ("counter", "num_preemptions", "Requests preempted (recomputed later).", lambda s: s.num_preemptions),
     ("counter", "prompt_tokens", "Prompt tokens received.", lambda s: s.prompt_tokens),
     ("counter", "generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
@@ -64,7 +65,12 @@ class _EngineStatsCollector(Collector):
 class ServerMetrics:
     """The app's metrics; also the ``RequestStatsSink`` ``AsyncLLM`` reports latencies to."""
 
-    def __init__(self, model_name: str, stats_source: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats_source: Callable[[], EngineStats | None],
+        in_flight_source: Callable[[], int] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -87,6 +93,13 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self._success.labels(model_name, reason)
         self.registry.register(_EngineStatsCollector(model_name, stats_source))
+        if in_flight_source is not None:
+            Gauge(
+                PREFIX + "num_requests_in_flight",
+                "Engine requests the API process tracks (submitted, not finished or aborted).",
+                labels,
+                registry=self.registry,
+            ).labels(model_name).set_function(lambda: float(in_flight_source()))
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import bad_request, unsupported
 
@@ -22,8 +22,33 @@ SEED_MAX = 2**63 - 1 - MAX_N  # room for the per-sample seeds seed + i
 TOKEN_ID_MAX = 2**31 - 1
 
 
+def _check_unicode(value: Any) -> None:
+    """Raise ``ValueError`` if a string in ``value`` holds a lone surrogate (JSON can spell one,
+    ``"\\ud800"``, but it is not text: the tokenizer and UTF-8 cannot encode it)."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("the text is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            if isinstance(item, str | list | tuple | dict):
+                _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_unicode(value)  # nested models check their own fields
+        return value
 
 
 class StreamOptions(StrictModel):
@@ -134,6 +159,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # A Jinja chat template for this request only; refused unless the operator allows it
+    # (--trust-request-chat-template). Rendered in the same sandbox as the server's own.
+    chat_template: str | None = None
     # Declared by OpenAI, not implemented here.
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None

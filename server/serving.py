@@ -4,9 +4,11 @@ server-sent events and disconnect handling."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ from engine.async_llm import (
     EngineError,
     EngineNotReadyError,
     QueueFullError,
+    RequestAbortedError,
     RequestFailedError,
 )
 from engine.input_processor import ContextLengthExceededError
@@ -31,6 +34,17 @@ from server.protocol import SamplingFields
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _PARAM_IN_MESSAGE = re.compile(r"^(\w+)=")
+# Seconds a client should wait before retrying a request refused for a passing reason.
+RETRY_AFTER_QUEUE_FULL_S = 1
+RETRY_AFTER_NOT_READY_S = 5
+_ID_PROCESS_PART = secrets.token_hex(8)  # differs between processes and restarts
+_ID_COUNTER = itertools.count()  # next() is atomic under the GIL
+
+
+def new_request_id(kind: str) -> str:
+    """``kind-<16 hex random per process><counter>``: the counter makes ids unique within a
+    process (they key the engine's request table); the random part tells processes apart."""
+    return f"{kind}-{_ID_PROCESS_PART}{next(_ID_COUNTER):08x}"
 
 
 class ClientDisconnected(Exception):
@@ -86,11 +100,13 @@ def engine_error_to_api(
     if isinstance(e, ContextLengthExceededError):
         return bad_request(str(e), prompt_param, "context_length_exceeded")
     if isinstance(e, QueueFullError):
-        return server_unavailable(str(e), "queue_full")
+        return server_unavailable(str(e), "queue_full", RETRY_AFTER_QUEUE_FULL_S)
     if isinstance(e, EngineNotReadyError):
-        return server_unavailable(str(e), "engine_not_ready")
+        return server_unavailable(str(e), "engine_not_ready", RETRY_AFTER_NOT_READY_S)
     if isinstance(e, EngineDeadError):
         return server_unavailable(str(e), "engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return server_unavailable(str(e), "request_aborted")
     if isinstance(e, RequestFailedError | EngineError):
         return server_fault(str(e))
     if isinstance(e, ValueError):

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.async_llm import RequestGroup
 from engine.outputs import RequestOutput
-from server.chat import ChatTemplateError, messages_for_template
-from server.errors import bad_request
+from server.chat import ChatRenderer, ChatTemplateError, messages_for_template
+from server.errors import bad_request, unsupported
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.serving import (
     build_sampling_params,
     engine_error_to_api,
+    new_request_id,
     now_s,
     sse,
     sse_error,
@@ -26,17 +26,36 @@ from server.state import ServerState
 _PARAM_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
 
 
+def request_renderer(state: ServerState, template: str) -> ChatRenderer:
+    """A renderer for a template sent with the request, if the operator allows them."""
+    if not state.settings.allow_request_chat_template:
+        raise unsupported(
+            "chat_template",
+            "Templates sent with a request are refused on this server; the operator can allow "
+            "them with --trust-request-chat-template.",
+        )
+    try:
+        return ChatRenderer(template, state.tokenizer)
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template") from e
+
+
 def render_chat_prompt(
-    state: ServerState, messages: list[Any], add_generation_prompt: bool
+    state: ServerState,
+    messages: list[Any],
+    add_generation_prompt: bool,
+    template: str | None = None,
 ) -> list[int]:
-    """Messages -> prompt token ids through the chat template (400 if it cannot render)."""
-    if state.renderer is None:
+    """Messages -> prompt token ids through the chat template (400 if it cannot render).
+    ``template`` is the request's own (see ``request_renderer``)."""
+    renderer = state.renderer if template is None else request_renderer(state, template)
+    if renderer is None:
         raise bad_request(
             "this model has no chat template; start the server with --chat-template FILE",
             "messages",
         )
     try:
-        text = state.renderer.render(messages_for_template(messages), add_generation_prompt)
+        text = renderer.render(messages_for_template(messages), add_generation_prompt)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
     # The template writes any BOS itself.
@@ -47,7 +66,7 @@ class ChatHandler:
     def __init__(self, state: ServerState, req: ChatCompletionRequest) -> None:
         self.state = state
         self.req = req
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.request_id = new_request_id("chatcmpl")
         self.created = now_s()
         self.model = state.response_model_name(req.model)
         self.n = req.n
@@ -63,7 +82,9 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
             param_names=_PARAM_NAMES,
         )
-        self.prompt_ids = render_chat_prompt(self.state, req.messages, req.add_generation_prompt)
+        self.prompt_ids = render_chat_prompt(
+            self.state, req.messages, req.add_generation_prompt, req.chat_template
+        )
         items = [
             (f"{self.request_id}-{j}", self.prompt_ids, params.child(j) if self.n > 1 else params)
             for j in range(self.n)

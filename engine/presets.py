@@ -1,0 +1,203 @@
+"""Deployment presets: YAML files whose keys are ``EngineArgs`` fields, one to one.
+
+A nested ``speculative_config:`` mapping holds ``SpeculativeConfig`` fields. Unknown keys and
+wrong types are ``ValueError``s that name the key and the type it wants; the frozen configs'
+own validators run too, so a preset is checked without the model folder or its weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from collections.abc import Mapping
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from engine.config import (
+    CacheConfig,
+    EngineArgs,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+
+SPEC_KEY = "speculative_config"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                if key not in seen:
+                    seen.add(key)
+                    continue
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice", key_node.start_mark
+            )
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_preset(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a preset; returns its keys (``EngineArgs`` field names) and values."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
+    except OSError as e:
+        raise ValueError(f"cannot read config file {os.fspath(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {os.fspath(path)!r} is not valid YAML: {e}") from None
+    try:
+        return validate_preset(data)
+    except ValueError as e:
+        raise ValueError(f"config file {os.fspath(path)!r}: {e}") from None
+
+
+def validate_preset(preset: Any) -> dict[str, Any]:
+    """Check keys and types against ``EngineArgs`` (and ``SpeculativeConfig`` for the nested
+    mapping), then build the frozen configs that need no model folder so their validators run.
+    Returns the preset with YAML lists turned into tuples where a field wants one."""
+    if not isinstance(preset, Mapping):
+        raise ValueError(
+            f"a preset is a mapping of engine fields, got {_describe_value(preset)}; "
+            "e.g. 'max_num_seqs: 64'"
+        )
+    checked = _check_fields(preset, EngineArgs, prefix="", known=EngineArgs.field_names())
+    spec = checked.get(SPEC_KEY)
+    if spec is not None:
+        spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        checked[SPEC_KEY] = spec = _check_fields(
+            spec, SpeculativeConfig, SPEC_KEY + ".", spec_fields
+        )
+        SpeculativeConfig.from_dict(spec)
+    _validate_configs(checked)
+    return checked
+
+
+def _check_fields(values: Any, cls: type, prefix: str, known: set[str]) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{prefix.rstrip('.')}: expected a mapping, got {_describe_value(values)}")
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        names = ", ".join(prefix + k for k in unknown)
+        raise ValueError(f"unknown key(s) {names}; known keys: {', '.join(sorted(known))}")
+    hints = get_type_hints(cls)
+    return {k: _check_type(prefix + k, v, hints[k]) for k, v in values.items()}
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as ``hint`` wants it (list -> tuple, int -> float), else a ``ValueError``."""
+    if _matches(value, hint):
+        return _convert(value, hint)
+    raise ValueError(f"{key}: expected {_describe_type(hint)}, got {_describe_value(value)}")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:  # YAML true/false are bools, which Python also counts as ints
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        args = get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: a YAML list
+            return all(_matches(v, args[0]) for v in value)
+        return len(args) == len(value) and all(
+            _matches(v, a) for v, a in zip(value, args, strict=True)
+        )
+    if origin is dict:
+        key_t, val_t = get_args(hint) or (Any, Any)
+        return isinstance(value, Mapping) and all(
+            _matches(k, key_t) and _matches(v, val_t) for k, v in value.items()
+        )
+    raise TypeError(f"presets cannot check fields of type {hint!r}")  # a new field type: add it
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    if value is None:
+        return None
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None) and _matches(value, a))
+        origin = get_origin(hint)
+    if hint is float:
+        return float(value)
+    if origin is tuple:
+        return tuple(value)
+    if origin is dict:
+        return dict(value)
+    return value
+
+
+def _describe_type(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is tuple:
+        return f"a list of {_describe_type(get_args(hint)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if hint is Any:
+        return "any value"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _describe_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _validate_configs(checked: dict[str, Any]) -> None:
+    """Run the validators of the configs that need no model folder (``ValueError`` names the
+    field). ``max_model_len`` and ``max_num_batched_tokens`` left unset are resolved from the
+    checkpoint at load time; here they stand in with the scheduler's defaults."""
+    from models.loader import resolve_dtype
+
+    args = EngineArgs(**{"model": "", **checked})
+    if args.dtype != "auto":
+        resolve_dtype(args.dtype, None)
+    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise ValueError(f"device={args.device!r} is invalid: use auto, cpu, cuda or cuda:N")
+    CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_blocks_override=args.num_kv_blocks,
+    )
+    SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens
+        or SchedulerConfig.max_num_batched_tokens,
+        max_model_len=args.max_model_len or SchedulerConfig.max_model_len,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_attention_dp=args.enable_attention_dp,
+        enable_lm_head_tp_in_adp=args.enable_lm_head_tp_in_adp,
+    )

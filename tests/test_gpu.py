@@ -1,0 +1,186 @@
+"""GPU checks (``make gpu-check``): speculation on CUDA gives the CPU's greedy output and the
+target's sampling distribution, a one-rank NCCL group runs the tensor-parallel executor path,
+and (once it exists) CUDA-graph replay equals eager execution.
+
+Triton kernels compiled for real and compared with their references are the gpu tests in
+``test_paged_attention.py`` and ``test_spec_kernels.py``; ``scripts/gpu_check.sh`` runs every
+file with gpu tests. Everything here is skipped on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
+from engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from engine.executor import MultiProcExecutor
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu")
+    target = build_llama(root / "target", layers=4)
+    add_mtp_layers(target, 1)
+    vanilla = root / "vanilla"
+    shutil.copytree(target, vanilla)
+    add_mtp_layers(vanilla, 3, seed=5)
+    perfect = build_llama(root / "perfect", layers=2, seed=3)
+    zero_residual_writes(perfect)
+    add_mtp_layers(perfect, 1, perfect=True)
+    small = build_llama(root / "small-vocab", layers=2, vocab_size=12, init_std=0.15)
+    return {
+        "target": target,
+        "vanilla": vanilla,
+        "eagle3": build_eagle3_draft(root / "eagle3", target, draft_vocab=160),
+        "perfect": perfect,
+        "small-vocab": small,
+        "small-vocab-eagle3": build_eagle3_draft(root / "small-eagle3", small),
+    }
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy(models: dict[str, Path]) -> dict[str, list[list[int]]]:
+    """The oracle: plain greedy decoding on the CPU, without speculation."""
+    out = {}
+    for name in ("target", "vanilla"):
+        with LLM(str(models[name]), device="cpu", dtype="float32") as llm:
+            out[name] = _tokens(llm.generate(PROMPTS, GREEDY))
+    return out
+
+
+def _spec(models: dict[str, Path], method: str) -> dict | None:
+    return {
+        "none": None,
+        "eagle3": {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": 3},
+        "mtp-eagle": {"method": "mtp", "num_speculative_tokens": 3},
+        "mtp-vanilla": {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": 3},
+    }[method]
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3", "mtp-eagle", "mtp-vanilla"])
+def test_cuda_greedy_equals_cpu_greedy(models, cpu_greedy, method: str) -> None:
+    target = "vanilla" if method == "mtp-vanilla" else "target"
+    # A 16-token budget splits the 50-token prompt into chunks that share steps with decodes.
+    with LLM(
+        str(models[target]),
+        device=DEVICE,
+        dtype="float32",
+        speculative_config=_spec(models, method),
+        max_num_batched_tokens=16,
+    ) as llm:
+        assert llm.engine.config.device.type == DEVICE
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.get_stats().num_used_kv_blocks == 0
+    assert _tokens(outs) == cpu_greedy[target]
+    if method != "none":
+        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+
+
+def test_cuda_perfect_draft_is_always_accepted(models) -> None:
+    """Equal output alone would hold with a useless draft; a perfect one must be accepted fully,
+    so the draft loop itself is right on CUDA."""
+    k, steps = 3, 5
+    params = SamplingParams(temperature=0, max_tokens=1 + steps * (k + 1), ignore_eos=True)
+    with LLM(str(models["perfect"]), device="cpu", dtype="float32") as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    with LLM(
+        str(models["perfect"]), device=DEVICE, dtype="float32", speculative_config=spec
+    ) as llm:
+        outs = llm.generate(PROMPTS, params)
+    assert _tokens(outs) == base
+    for o in outs:
+        assert o.spec_stats.accepted_per_pos == [steps] * k
+        assert o.spec_stats.mean_tokens_per_step == k + 1
+
+
+def test_cuda_rejection_sampling_keeps_the_target_distribution(models) -> None:
+    """Positions 1 and 2 come from the first speculative step: with rejection sampling they are
+    distributed as without speculation (two-sample chi-square over 8,000 samples each)."""
+    from scipy.stats import chi2_contingency
+
+    n, vocab = 8000, 12
+    params = SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(models["small-vocab-eagle3"])}
+    hists, rates = [], []
+    for speculative_config in (None, spec):
+        with LLM(
+            str(models["small-vocab"]),
+            device=DEVICE,
+            dtype="float32",
+            speculative_config=speculative_config,
+            max_num_seqs=1024,
+            max_model_len=32,
+            max_num_batched_tokens=4096,
+            seed=1,
+        ) as llm:
+            toks = np.array(_tokens(llm.generate([[1, 2, 3]] * n, params)))
+            rates.append(llm.engine.spec_stats.acceptance_rate)
+        hists.append([np.bincount(toks[:, j], minlength=vocab) for j in (1, 2)])
+    assert rates[1] > 0.2  # drafts are both accepted and rejected
+    for j in range(2):
+        table = np.array([hists[0][j], hists[1][j]])
+        p = float(chi2_contingency(table[:, table.sum(0) > 0])[1])
+        assert p > 1e-3, (j, table)
+
+
+def test_one_rank_nccl_group_runs_the_tensor_parallel_path(models, cpu_greedy, monkeypatch):
+    """The multi-rank executor with one rank: NCCL group for tensors, gloo for control, step
+    broadcast over it; greedy output equals the CPU's."""
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    config = EngineArgs(model=str(models["target"]), device=DEVICE, dtype="float32")
+    engine_config = config.create_engine_config()
+    executor = MultiProcExecutor(engine_config, timeout_s=60)
+    engine = None
+    try:
+        groups = executor.groups
+        assert groups is not None
+        assert dist.get_backend(groups.tensor) == "nccl"
+        assert dist.get_backend(groups.control) == "gloo"
+        assert dist.get_world_size(groups.tensor) == 1
+        x = torch.arange(8, dtype=torch.float32, device=DEVICE)
+        dist.all_reduce(x, group=groups.tensor)
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x, group=groups.tensor)
+        assert torch.equal(parts[0].cpu(), torch.arange(8, dtype=torch.float32))
+
+        engine = LLMEngine(engine_config, executor=executor)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), engine.make_request(str(i), prompt, GREEDY))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == cpu_greedy[
+            "target"
+        ]
+    finally:
+        (engine or executor).shutdown()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skip(reason="CUDA-graph runner not implemented yet")
+def test_cuda_graph_replay_equals_eager() -> None:
+    """For every graph key (padded batch size, draft length, sampling variant): replaying the
+    captured target forward plus draft loop gives what eager execution gives."""
+    pytest.fail("write this with engine/cuda_graph.py")

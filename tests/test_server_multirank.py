@@ -1,0 +1,83 @@
+"""`tandem serve -tp 2` (tensor parallel, and attention DP): same greedy text as one rank; a
+killed rank makes /health answer 503 and the server exit non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import RemoteServer, child_pids, cmdline, tiny_model
+
+from engine import LLM, SamplingParams
+
+PROMPTS = ["Hello world! How are you today?", "Paris is the capital of"]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(model_dir), max_model_len=256) as llm:
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("args", [["-tp", "2"], ["-tp", "2", "--enable-attention-dp"]])
+def test_multirank_server_equals_one_rank_then_a_killed_rank_is_fatal(model_dir, reference, args):
+    with RemoteServer(model_dir, args) as server:
+        client = openai.OpenAI(
+            base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60
+        )
+        texts = [
+            client.completions.create(
+                model=model_dir.name,
+                prompt=p,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert texts == reference
+        # Kill one rank process (a grandchild of the engine, not the engine itself).
+        engine = server.engine_pid()
+        ranks = [
+            p
+            for p in _descendants(engine)
+            if "forkserver" in cmdline(p) or "spawn_main" in cmdline(p)
+        ]
+        ranks = [p for p in ranks if not child_pids(p)]  # leaf rank processes
+        assert ranks, "no rank process found"
+        os.kill(ranks[0], signal.SIGKILL)
+        # The next step fails; health turns 503 and the server exits non-zero in bounded time.
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=8)
+        deadline = time.monotonic() + 60
+        saw_503 = False
+        while time.monotonic() < deadline and server.proc.poll() is None:
+            try:
+                saw_503 |= httpx.get(server.url("/health"), timeout=2).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert server.proc.poll() is not None and server.proc.returncode != 0
+        assert saw_503 or server.proc.returncode != 0
