@@ -208,30 +208,17 @@ def test_config_file_sits_between_defaults_and_flags(tmp_path: Path) -> None:
     assert args.dtype == "float16"  # not given: the file's
 
 
-def test_config_keys_without_a_flag_reach_engine_args(tmp_path: Path, monkeypatch) -> None:
-    path = _preset(tmp_path, "enable_attention_dp: true\nenable_lm_head_tp_in_adp: true\n")
+def test_config_file_fills_parallel_options(tmp_path: Path) -> None:
+    text = "tensor_parallel_size: 2\nenable_attention_dp: true\nenable_lm_head_tp_in_adp: true\n"
+    path = _preset(tmp_path, text)
     argv = ["serve", "/m", "--config", str(path)]
     ns = cli.build_parser().parse_args(argv)
     cli.apply_config_file(ns, argv)
-    assert ns.enable_attention_dp is True
-    assert ns.config_engine_fields == {"enable_lm_head_tp_in_adp": True}
-
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_build_app(engine_args, settings):
-        seen["args"] = engine_args
-        raise Stop
-
-    import server.app
-
-    monkeypatch.setattr(cli, "engine_args_from", lambda ns: EngineArgs(model=ns.model))
-    monkeypatch.setattr(server.app, "build_app", fake_build_app)
-    with pytest.raises(Stop):
-        cli.serve(ns)
-    assert seen["args"].enable_lm_head_tp_in_adp is True
+    assert ns.enable_attention_dp is True and ns.enable_lm_head_tp_in_adp is True
+    assert ns.config_engine_fields == {}  # every engine field has a command-line option
+    args = cli.engine_args_from(ns)
+    assert (args.tensor_parallel_size, args.enable_attention_dp) == (2, True)
+    assert args.enable_lm_head_tp_in_adp is True
 
 
 def test_serve_reports_a_bad_config_file(tmp_path: Path, capsys) -> None:

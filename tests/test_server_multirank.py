@@ -81,3 +81,21 @@ def test_multirank_server_equals_one_rank_then_a_killed_rank_is_fatal(model_dir,
             time.sleep(0.2)
         assert server.proc.poll() is not None and server.proc.returncode != 0
         assert saw_503 or server.proc.returncode != 0
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_with_ranks_exits_zero_and_leaves_no_rank_process(model_dir):
+    server = RemoteServer(model_dir, ["-tp", "2"])
+    with server:
+        family = _descendants(server.proc.pid)
+        assert len(family) >= 3  # the engine, its rank process(es), helpers
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 0
+        elapsed = time.monotonic() - started
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in family):
+            time.sleep(0.2)
+        left = [p for p in family if os.path.exists(f"/proc/{p}") and cmdline(p)]
+        assert left == [], [cmdline(p) for p in left]
+    assert elapsed < 60
