@@ -9,6 +9,22 @@ from torch import nn
 from models.attention import AttentionMetadata, PagedAttention
 
 
+def post_attention(
+    layer: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    meta: AttentionMetadata,
+    pick_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """A draft layer's per-token tail (residual add, post-attention norm, MLP), on ``pick_rows``
+    only when given; under attention DP the MLP is sized by the matching per-rank counts."""
+    if pick_rows is not None:
+        x, residual = x[pick_rows], residual[pick_rows]
+    x, residual = layer.post_attention_layernorm(x, residual)
+    counts = meta.all_rank_num_tokens if pick_rows is None else meta.all_rank_num_picked
+    return layer.mlp(x, counts) + residual
+
+
 class DraftHead(nn.Module):
     """A draft head: ``layers[i]`` takes (positions, embeds, hidden, meta[, pick_rows])."""
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from models.attention import AttentionMetadata
-from models.draft import DraftHead
+from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
 from models.llama import LlamaAttention, LlamaMLP
 from models.parallel import ParallelMapping
@@ -45,11 +45,7 @@ class Eagle3MidLayer(nn.Module):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         x = self.self_attn(positions, x, meta)
-        if pick_rows is not None:
-            x, residual = x[pick_rows], residual[pick_rows]
-        x, residual = self.post_attention_layernorm(x, residual)
-        counts = meta.all_rank_num_tokens if pick_rows is None else meta.all_rank_num_picked
-        return self.mlp(x, counts) + residual
+        return post_attention(self, x, residual, meta, pick_rows)
 
 
 class Eagle3Draft(DraftHead):

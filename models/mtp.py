@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from models.attention import AttentionMetadata
-from models.draft import DraftHead
+from models.draft import DraftHead, post_attention
 from models.layers import ReplicatedLinear, RMSNorm
 from models.llama import LlamaAttention, LlamaMLP
 from models.parallel import ParallelMapping
@@ -54,11 +54,7 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         residual = x
         x = self.self_attn(positions, self.input_layernorm(x), meta)
-        if pick_rows is not None:
-            x, residual = x[pick_rows], residual[pick_rows]
-        x, residual = self.post_attention_layernorm(x, residual)
-        counts = meta.all_rank_num_tokens if pick_rows is None else meta.all_rank_num_picked
-        return self.mlp(x, counts) + residual
+        return post_attention(self, x, residual, meta, pick_rows)
 
 
 class MTPDraft(DraftHead):
