@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+
+from triton_utils import run_in_fresh_interpreter
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
@@ -365,25 +363,9 @@ def test_write_kv_cache_triton(dtype):
     _check_write(use_triton=True, dtype=dtype)
 
 
-def _run_pytest_subprocess(selector: str, env: dict[str, str]) -> int:
-    """Run this module's tests matching `selector` in a fresh interpreter; return # passed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selector, __file__],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    match = re.search(r"(\d+) passed", proc.stdout)
-    return int(match.group(1)) if match else 0
-
-
 @pytest.mark.skipif(INTERPRETER or not HAS_TRITON, reason="Triton tests ran in this process")
 def test_triton_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    passed = _run_pytest_subprocess("triton and not cuda", env)
+    passed = run_in_fresh_interpreter(__file__, "triton and not cuda")
     assert passed >= len(TRITON_CASES) + 5
 
 
@@ -397,9 +379,8 @@ def test_triton_in_fresh_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 def test_triton_cuda_matches_reference(dtype):
     if INTERPRETER:  # this process interprets Triton; check the compiled kernel in a fresh one
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         selector = f"test_triton_cuda_matches_reference and {dtype_id(dtype)}"
-        assert _run_pytest_subprocess(selector, env) == 1
+        assert run_in_fresh_interpreter(__file__, selector, interpret=False) == 1
         return
     b = make_batch(SCENARIOS["mixed"], 8, 2, 128, 16, dtype, seed=5)
     ref = paged_attention_reference(*b.args())

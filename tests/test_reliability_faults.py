@@ -17,9 +17,9 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 from engine.fault_injection import ENV_VAR
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 PROMPT = "Hello world!"
 LABEL = {"model_name": "tiny"}

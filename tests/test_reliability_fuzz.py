@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from server_utils import REPO, RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 API_KEY = "sk-tandem-fuzz-7f3a9c0e5b1d"

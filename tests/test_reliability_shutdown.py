@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from server_utils import RemoteServer, child_pids, metric, scrape_metrics, tiny_model, wait_until
 
 SHUTDOWN_TIMEOUT_S = 6.0

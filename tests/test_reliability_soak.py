@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 from checkpoints import add_mtp_layers
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "50"))  # load; the drain adds ~10 s
 CLIENTS = 64

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_utils import MAX_MODEL_LEN, tiny_model, wait_until
 
 from engine.async_llm import AsyncLLM, EngineNotReadyError
 from engine.config import EngineArgs
 from engine.sampling_params import SamplingParams
+from server_utils import MAX_MODEL_LEN, tiny_model, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import signal
 
 import httpx
 import pytest
+
 from server_utils import RemoteServer, tiny_model, wait_until
 
 PROMPT = "Hello world!"

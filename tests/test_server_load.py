@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
 
 PROMPT = "The quick brown fox"

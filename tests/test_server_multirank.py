@@ -10,9 +10,9 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import RemoteServer, child_pids, cmdline, tiny_model
 
 from engine import LLM, SamplingParams
+from server_utils import RemoteServer, child_pids, cmdline, tiny_model
 
 PROMPTS = ["Hello world! How are you today?", "Paris is the capital of"]
 

@@ -12,9 +12,9 @@ import asyncio
 import httpx
 import openai
 import pytest
-from server_utils import RemoteServer, tiny_model
 
 from checkpoints import hf_greedy
+from server_utils import RemoteServer, tiny_model
 
 API_KEY = "sk-tandem-test"
 PROMPT = "Hello world! How are you today?"

@@ -7,10 +7,10 @@ import shutil
 
 import openai
 import pytest
-from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
 
 from checkpoints import add_mtp_layers
 from engine import LLM, SamplingParams
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
 
 PROMPT = "Hello world! How are you today?"
 

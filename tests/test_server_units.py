@@ -8,7 +8,6 @@ import math
 
 import pytest
 from pydantic import ValidationError
-from server_utils import tiny_model
 
 from engine.async_llm import QueueFullError, RequestGroup
 from engine.input_processor import ContextLengthExceededError
@@ -25,6 +24,7 @@ from server.errors import APIError, validation_error_to_api_error
 from server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import build_sampling_params, engine_error_to_api
+from server_utils import tiny_model
 
 
 class FakeTokenizer:

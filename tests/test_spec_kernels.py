@@ -10,14 +10,12 @@ re-runs them in a subprocess with TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from scipy.stats import chisquare
+
+from triton_utils import run_in_fresh_interpreter
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
@@ -389,25 +387,9 @@ def test_triton_step0_negative_last_row_and_wrap():
     _assert_same(build_draft_step0_inputs(*args, use_triton=True), ref)
 
 
-def _run_pytest_subprocess(selector: str, env: dict[str, str]) -> int:
-    """Run this module's tests matching `selector` in a fresh interpreter; return # passed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selector, __file__],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    match = re.search(r"(\d+) passed", proc.stdout)
-    return int(match.group(1)) if match else 0
-
-
 @pytest.mark.skipif(INTERPRETER or not HAS_TRITON, reason="Triton tests ran in this process")
 def test_triton_in_fresh_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    passed = _run_pytest_subprocess("triton and not cuda and not fresh", env)
+    passed = run_in_fresh_interpreter(__file__, "triton and not cuda and not fresh")
     assert passed >= 25  # every interpreter test above
 
 
@@ -420,8 +402,8 @@ def test_triton_in_fresh_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_cuda_matches_reference():
     if INTERPRETER:  # this process interprets Triton; check the compiled kernels in a fresh one
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        assert _run_pytest_subprocess("test_triton_cuda_matches_reference", env) == 1
+        selector = "test_triton_cuda_matches_reference"
+        assert run_in_fresh_interpreter(__file__, selector, interpret=False) == 1
         return
     for b, k, v in [*SHAPES, (64, 4, 151_936)]:
         case = make_case(b, k, v, seed=b + k + v)
