@@ -153,6 +153,18 @@ def sse_error(e: BaseException) -> str:
     return sse(error_body(err.message, err.type, err.param, err.code))
 
 
+def envelope(handler: Any, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The fields every completion / chat response and chunk starts with, then ``extra``."""
+    return {
+        "id": handler.request_id,
+        "object": obj,
+        "created": handler.created,
+        "model": handler.model,
+        "choices": choices,
+        **extra,
+    }
+
+
 def now_s() -> int:
     return int(time.time())
 

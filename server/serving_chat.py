@@ -14,6 +14,7 @@ from server.protocol import ChatCompletionRequest
 from server.serving import (
     build_sampling_params,
     engine_error_to_api,
+    envelope,
     new_request_id,
     now_s,
     sse,
@@ -114,27 +115,14 @@ class ChatHandler:
                     "finish_reason": c.finish_reason,
                 }
             )
-        return {
-            "id": self.request_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(outs),
-            "system_fingerprint": None,
-        }
+        return envelope(
+            self, "chat.completion", choices, usage=self._usage(outs), system_fingerprint=None
+        )
 
     # -------------------------------------------------------------- streaming
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
+        chunk = envelope(self, "chat.completion.chunk", choices, system_fingerprint=None)
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk

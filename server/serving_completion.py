@@ -12,6 +12,7 @@ from server.protocol import CompletionRequest
 from server.serving import (
     build_sampling_params,
     engine_error_to_api,
+    envelope,
     new_request_id,
     now_s,
     sse,
@@ -91,26 +92,13 @@ class CompletionHandler:
             choices.append(
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
             )
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self._usage(dict(enumerate(outs))),
-            "system_fingerprint": None,
-        }
+        usage = self._usage(dict(enumerate(outs)))
+        return envelope(self, "text_completion", choices, usage=usage, system_fingerprint=None)
 
     # -------------------------------------------------------------- streaming
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        chunk = envelope(self, "text_completion", choices)
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk

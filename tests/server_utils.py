@@ -29,6 +29,20 @@ def tiny_model(tmp_path_factory: Any) -> Path:
     return _MODEL_CACHE["llama"]
 
 
+def tiny_mtp_model(tmp_path_factory: Any) -> Path:
+    """The tiny model plus one MTP layer (DeepSeek layout), for serving with speculation."""
+    if "mtp" not in _MODEL_CACHE:
+        import shutil
+
+        from checkpoints import add_mtp_layers
+
+        folder = tmp_path_factory.mktemp("tiny_mtp") / "mtp"
+        shutil.copytree(tiny_model(tmp_path_factory), folder)
+        add_mtp_layers(folder, 1)
+        _MODEL_CACHE["mtp"] = folder
+    return _MODEL_CACHE["mtp"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -20,8 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from checkpoints import add_mtp_layers
-from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_mtp_model, wait_until
 
 SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "50"))  # load; the drain adds ~10 s
 CLIENTS = 64
@@ -42,10 +40,7 @@ pytestmark = pytest.mark.timeout(int(SOAK_S) + 240)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("soak") / "mtp"
-    shutil.copytree(tiny_model(tmp_path_factory), folder)
-    add_mtp_layers(folder, 1)
-    return folder
+    return tiny_mtp_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
 
-from checkpoints import add_mtp_layers
 from engine import LLM, SamplingParams
-from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
+from server_utils import RemoteServer, metric, scrape_metrics, tiny_mtp_model
 
 PROMPT = "Hello world! How are you today?"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spec_server") / "mtp"
-    shutil.copytree(tiny_model(tmp_path_factory), folder)
-    add_mtp_layers(folder, 1)
-    return folder
+    return tiny_mtp_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
