@@ -39,11 +39,8 @@ def test_greedy_text_and_spec_usage(server, model_dir):
         (ref,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert resp.choices[0].text == ref.outputs[0].text
     usage = resp.usage.model_extra["spec_decode"]
-    assert (
-        usage["num_draft_tokens"] == 3 * usage["num_drafts"]
-        or usage["num_draft_tokens"] < 3 * usage["num_drafts"]
-    )
-    assert usage["num_drafts"] >= 1
+    # Every verification step has 1..K drafts (fewer only when max_tokens is near).
+    assert 1 <= usage["num_drafts"] <= usage["num_draft_tokens"] <= 3 * usage["num_drafts"]
     assert resp.usage.completion_tokens == 24
     after = scrape_metrics(server)
     for name, key in (

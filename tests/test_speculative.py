@@ -133,10 +133,7 @@ def test_random_draft_is_near_one_token_per_step(models, baseline) -> None:
         stats = llm.engine.spec_stats
     assert _tokens(outs) == baseline["target"]
     assert 1.0 <= stats.mean_tokens_per_step < 1.5
-    assert (
-        stats.num_draft_tokens == 3 * stats.num_drafts
-        or stats.num_draft_tokens < 3 * stats.num_drafts
-    )
+    assert 1 <= stats.num_drafts <= stats.num_draft_tokens <= 3 * stats.num_drafts
 
 
 def test_configuration_errors(models, tmp_path: Path) -> None:
