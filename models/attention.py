@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,20 @@ class AttentionMetadata:
     all_rank_num_picked: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer keeps per token: ``num_tensors`` cache tensors of shape
+    ``[num_blocks, block_size, *token_shape]`` (K and V: 2 × [num_kv_heads, head_dim]; a latent
+    cache: 1 × [1, latent_dim])."""
+
+    token_shape: tuple[int, ...]
+    num_tensors: int = 2
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return self.num_tensors * block_size * math.prod(self.token_shape) * elem
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's cache blocks, then attends over the cache."""
 
@@ -45,13 +60,19 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec((self.num_kv_heads, self.head_dim), 2)
+
+    def bind_kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
+        self.k_cache, self.v_cache = caches
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not bound to this attention layer")
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=meta.plan)
         out = paged_attention(
             q,
             self.k_cache,

@@ -195,14 +195,18 @@ def load_draft(
             "(enorm, hnorm, eh_proj, decoder block, shared_head.norm)"
         )
     num_layers = 1 if spec.mtp_mode == "eagle" else spec.num_speculative_tokens
+    build_mtp = getattr(target, "build_mtp_draft", None)  # a family with its own MTP block
     with default_dtype(dtype), torch.device(device):
-        draft = MTPDraft(
-            config,
-            mapping,
-            num_layers,
-            bool(type(target).qkv_bias or getattr(config, "attention_bias", False)),
-            bool(type(target).qk_norm),
-        )
+        if build_mtp is not None:
+            draft = build_mtp(config, mapping, num_layers)
+        else:
+            draft = MTPDraft(
+                config,
+                mapping,
+                num_layers,
+                bool(type(target).qkv_bias or getattr(config, "attention_bias", False)),
+                bool(type(target).qk_norm),
+            )
     draft.bind_target(target)
     loaded = draft.load_weights(iterate_checkpoint(files, "loading MTP"), first, available)
     check_complete(draft, loaded, folder)

@@ -1,10 +1,11 @@
-"""MTP draft layers in the DeepSeek-V3 layout, over a Llama-family decoder block:
-``eh_proj(cat[enorm(embed(next_token)), hnorm(h)])`` → decoder block → ``shared_head.norm`` →
-the target's LM head. Embedding and LM head are shared with the target."""
+"""MTP draft layers in the DeepSeek-V3 layout: ``eh_proj(cat[enorm(embed(next_token)),
+hnorm(h)])`` → decoder block → ``shared_head.norm`` → the target's LM head. Embedding and LM head
+are shared with the target. The decoder block is Llama-family by default; a target family with
+its own block (DeepSeek-V3: MLA + MoE) passes its attention and MLP modules in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,17 +29,25 @@ class MTPLayer(nn.Module):
     supports_pick_rows = True
 
     def __init__(
-        self, config: Any, mapping: ParallelMapping, qkv_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        mapping: ParallelMapping,
+        qkv_bias: bool,
+        qk_norm: bool,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``self_attn(positions, x, meta)`` and ``mlp(x, all_rank_num_tokens)`` default to the
+        Llama-family modules."""
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = ReplicatedLinear(2 * h, h, False)
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = LlamaAttention(config, mapping, qkv_bias, qk_norm)
+        self.self_attn = self_attn or LlamaAttention(config, mapping, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = LlamaMLP(h, config.intermediate_size, mapping)
+        self.mlp = mlp or LlamaMLP(h, config.intermediate_size, mapping)
         self.shared_head = SharedHead(h, eps)
 
     def forward(
@@ -61,14 +70,20 @@ class MTPDraft(DraftHead):
     """``num_layers`` MTP layers: 1 for MTP-Eagle (reused K times), K for vanilla MTP."""
 
     def __init__(
-        self, config: Any, mapping: ParallelMapping, num_layers: int, qkv_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        mapping: ParallelMapping,
+        num_layers: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_layer: Callable[[], nn.Module] | None = None,
     ) -> None:
+        """``make_layer`` builds one MTP layer (default: over a Llama-family block)."""
         super().__init__()
         self.config = config
         self.num_layers = num_layers
-        self.mtp_layers = nn.ModuleList(
-            MTPLayer(config, mapping, qkv_bias, qk_norm) for _ in range(num_layers)
-        )
+        make = make_layer or (lambda: MTPLayer(config, mapping, qkv_bias, qk_norm))
+        self.mtp_layers = nn.ModuleList(make() for _ in range(num_layers))
         self.lm_head: nn.Module | None = None
         self.draft_vocab_size = int(config.vocab_size)
 
@@ -98,21 +113,25 @@ class MTPDraft(DraftHead):
     ) -> set[str]:
         """Checkpoint layers ``model.layers.{first_layer + i}``; layer i of ours reads checkpoint
         layer min(i, num_ckpt_layers - 1), so a one-layer checkpoint backs all K vanilla layers."""
+        return load_named_weights(
+            self, weights, lambda name: self.checkpoint_names(name, first_layer, num_ckpt_layers)
+        )
 
-        def rename(name: str) -> list[str] | None:
-            if not name.startswith("model.layers."):
-                return None
-            parts = name.split(".")
-            idx = int(parts[2]) - first_layer
-            if not 0 <= idx < num_ckpt_layers:
-                return None
-            rest = ".".join(parts[3:])
-            if rest.startswith(("embed_tokens.", "shared_head.head.")) or "rotary_emb" in rest:
-                return None
-            ours = [i for i in range(self.num_layers) if min(i, num_ckpt_layers - 1) == idx]
-            return [f"mtp_layers.{i}.{rest}" for i in ours]
-
-        return load_named_weights(self, weights, rename)
+    def checkpoint_names(
+        self, name: str, first_layer: int, num_ckpt_layers: int
+    ) -> list[str] | None:
+        """Which of our parameters a checkpoint tensor fills; None = not ours to load."""
+        if not name.startswith("model.layers."):
+            return None
+        parts = name.split(".")
+        idx = int(parts[2]) - first_layer
+        if not 0 <= idx < num_ckpt_layers:
+            return None
+        rest = ".".join(parts[3:])
+        if rest.startswith(("embed_tokens.", "shared_head.head.")) or "rotary_emb" in rest:
+            return None
+        ours = [i for i in range(self.num_layers) if min(i, num_ckpt_layers - 1) == idx]
+        return [f"mtp_layers.{i}.{rest}" for i in ours]
 
     def expected_weights(self) -> set[str]:
         return expected_keys(self)

@@ -296,3 +296,155 @@ def build_eagle3_draft(
     }
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+def build_deepseek_v3(
+    folder: Path,
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    layers: int = 3,
+    first_k_dense_replace: int = 1,
+    heads: int = 4,
+    q_lora_rank: int | None = 48,
+    kv_lora_rank: int = 32,
+    qk_nope_head_dim: int = 16,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 24,
+    intermediate: int = 96,
+    moe_intermediate: int = 32,
+    experts: int = 8,
+    shared_experts: int = 1,
+    n_group: int = 4,
+    topk_group: int = 2,
+    top_k: int = 3,
+    routed_scaling_factor: float = 2.5,
+    norm_topk_prob: bool = True,
+    rope: dict[str, Any] | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    init_std: float = 0.08,
+) -> Path:
+    """Save a random ``DeepseekV3ForCausalLM`` (MLA + grouped-top-k MoE) + tokenizer into
+    ``folder``; the router's score-correction bias is random too (transformers zeroes it)."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = tf.DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate,
+        moe_intermediate_size=moe_intermediate,
+        num_hidden_layers=layers,
+        first_k_dense_replace=first_k_dense_replace,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        n_routed_experts=experts,
+        n_shared_experts=shared_experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        routed_scaling_factor=routed_scaling_factor,
+        norm_topk_prob=norm_topk_prob,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_nextn_predict_layers=0,
+    )
+    torch.manual_seed(seed)
+    model = tf.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.05)
+    model.save_pretrained(str(folder))
+    gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return folder
+
+
+def scale_residual_writes(folder: Path, factor: float) -> None:
+    """Scale what every layer writes to the residual stream (``o_proj`` and every
+    ``down_proj``, experts included) by ``factor`` and set the final norm to ones: with a small
+    factor the next token depends mostly on the current one (MTP layers then predict it well)."""
+    state = _read_state(folder)
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = state[name] * factor
+        if name == "model.norm.weight":
+            state[name] = torch.ones_like(state[name])
+    _write_state(folder, state)
+
+
+def add_deepseek_mtp_layers(
+    folder: Path, num_layers: int = 1, *, seed: int = 1, echo: bool = False
+) -> None:
+    """Append DeepSeek-V3 MTP layers at ``model.layers.{L + i}`` in the released layout: the
+    shared ``embed_tokens`` and ``shared_head.head`` copies, ``enorm``, ``hnorm``, ``eh_proj``,
+    an MLA + MoE decoder block (per-expert tensors) and ``shared_head.norm``.
+
+    ``echo``: eh_proj passes the next token's normed embedding through and the block writes
+    little (random, scaled by 0.1), so with ``scale_residual_writes`` on the target the drafts
+    are mostly right while attention and MoE still change them."""
+    cfg = json.loads((folder / "config.json").read_text())
+    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads, inter = cfg["num_attention_heads"], cfg["moe_intermediate_size"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    kv_lora, q_lora = cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    state = _read_state(folder)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    for i in range(num_layers):
+        layer = {
+            "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+            "shared_head.head.weight": state["lm_head.weight"].clone(),
+            "enorm.weight": torch.ones(h),
+            "hnorm.weight": torch.ones(h),
+            "eh_proj.weight": torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+            if echo
+            else rnd(h, 2 * h),
+            "input_layernorm.weight": torch.ones(h),
+            "self_attn.kv_a_proj_with_mqa.weight": rnd(kv_lora + rope, h),
+            "self_attn.kv_a_layernorm.weight": torch.ones(kv_lora),
+            "self_attn.kv_b_proj.weight": rnd(heads * (nope + v), kv_lora),
+            "self_attn.o_proj.weight": rnd(h, heads * v),
+            "post_attention_layernorm.weight": torch.ones(h),
+            "mlp.gate.weight": rnd(cfg["n_routed_experts"], h),
+            "mlp.gate.e_score_correction_bias": rnd(cfg["n_routed_experts"]),
+            "shared_head.norm.weight": torch.ones(h),
+        }
+        if q_lora is None:
+            layer["self_attn.q_proj.weight"] = rnd(heads * (nope + rope), h)
+        else:
+            layer["self_attn.q_a_proj.weight"] = rnd(q_lora, h)
+            layer["self_attn.q_a_layernorm.weight"] = torch.ones(q_lora)
+            layer["self_attn.q_b_proj.weight"] = rnd(heads * (nope + rope), q_lora)
+        for e in range(cfg["n_routed_experts"]):
+            layer[f"mlp.experts.{e}.gate_proj.weight"] = rnd(inter, h)
+            layer[f"mlp.experts.{e}.up_proj.weight"] = rnd(inter, h)
+            layer[f"mlp.experts.{e}.down_proj.weight"] = rnd(h, inter)
+        shared = inter * cfg["n_shared_experts"]
+        layer["mlp.shared_experts.gate_proj.weight"] = rnd(shared, h)
+        layer["mlp.shared_experts.up_proj.weight"] = rnd(shared, h)
+        layer["mlp.shared_experts.down_proj.weight"] = rnd(h, shared)
+        if echo:
+            for k in layer:
+                if k.endswith(("o_proj.weight", "down_proj.weight")):
+                    layer[k] = layer[k] * 0.1
+        state.update({f"model.layers.{L + i}.{k}": val for k, val in layer.items()})
+    _write_state(folder, state)
+    cfg["num_nextn_predict_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))

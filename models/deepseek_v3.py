@@ -1,0 +1,252 @@
+"""DeepSeek-V3 (Hugging Face ``DeepseekV3ForCausalLM`` folders): MLA attention over a paged latent
+cache (models/mla.py), dense MLPs in the first ``first_k_dense_replace`` layers and MoE after
+them (models/moe.py), and MTP draft layers read from ``model.layers.{num_hidden_layers}``.
+
+Parallelism: MLA heads are split over the TP ranks (replicated under attention DP); routed
+experts are split over the TP group (expert parallelism), the shared experts and dense MLPs are
+TP-sharded; under attention DP the MLPs and MoEs run on every rank's rows.
+
+Each attention layer caches ``kv_lora_rank + qk_rope_head_dim`` numbers per token
+(``LatentPagedAttention.kv_cache_spec``), against ``num_heads × (qk_head_dim + v_head_dim)``
+for decompressed K and V.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.attention import AttentionMetadata
+from models.draft import DraftHead
+from models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from models.llama import LlamaMLP
+from models.mla import LatentPagedAttention, MLAAttention
+from models.moe import DeepseekV3MoE, RoutedExperts
+from models.mtp import MTPDraft, MTPLayer
+from models.parallel import ParallelMapping
+from models.weights import expected_keys
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def make_mlp(config: Any, mapping: ParallelMapping, layer_index: int) -> nn.Module:
+    """Dense before ``first_k_dense_replace``, MoE from there on."""
+    first_moe = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if getattr(config, "n_routed_experts", None) and layer_index >= first_moe:
+        return DeepseekV3MoE(config, mapping)
+    return LlamaMLP(config.hidden_size, config.intermediate_size, mapping)
+
+
+def load_deepseek_weights(
+    module: nn.Module, weights: Iterable[tuple[str, Any]], rename: Any
+) -> set[str]:
+    """Load (checkpoint name, tensor) pairs through ``rename(name) -> list[our name] | None``.
+
+    Per-expert tensors go to this rank's stacked experts (other ranks' experts are skipped),
+    gate/up projections to the fused ``gate_up_proj``. Returns the filled keys (``name#shard``
+    for stacked parameters), the same ones ``deepseek_expected_keys`` lists."""
+    params = dict(module.named_parameters())
+    experts = {n: m for n, m in module.named_modules() if isinstance(m, RoutedExperts)}
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        for target in rename(ckpt_name) or ():
+            filled: list[str]
+            if m := _EXPERT.match(target):
+                prefix, owner = m.group(1), experts.get(m.group(1))
+                if owner is None:
+                    raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
+                local = int(m.group(2)) - owner.first_expert
+                if not 0 <= local < owner.num_local:
+                    continue  # another rank's expert
+                if m.group(3) == "down_proj":
+                    name, shard, key = f"{prefix}.w2", local, f"{prefix}.w2#{local}"
+                else:
+                    part = _GATE_UP[m.group(3)]
+                    name, shard = f"{prefix}.w13", (local, part)
+                    key = f"{prefix}.w13#{local}.{part}"
+                filled = [key]
+            elif m := _FUSED_EXPERTS.match(target):
+                name = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+                shard = "all"
+                filled = [
+                    k
+                    for k in _stacked_keys(m.group(1), experts.get(m.group(1)))
+                    if k.startswith(name + "#")
+                ]
+            else:
+                name, shard = target, None
+                for ckpt, sid in _GATE_UP.items():
+                    if f".{ckpt}." in target:
+                        name, shard = target.replace(ckpt, "gate_up_proj"), sid
+                filled = [name if shard is None else f"{name}#{shard}"]
+            if name not in params:
+                raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
+            param = params[name]
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"{ckpt_name}: {e}") from None
+            loaded.update(filled)
+    return loaded
+
+
+def _stacked_keys(prefix: str, experts: RoutedExperts | None) -> list[str]:
+    if experts is None:
+        return []
+    n = experts.num_local
+    return [f"{prefix}.w13#{e}.{p}" for e in range(n) for p in (0, 1)] + [
+        f"{prefix}.w2#{e}" for e in range(n)
+    ]
+
+
+def deepseek_expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> set[str]:
+    keys = {k for k in expected_keys(module, skip) if not k.endswith((".w13", ".w2"))}
+    for name, m in module.named_modules():
+        if isinstance(m, RoutedExperts):
+            keys.update(_stacked_keys(name, m))
+    return keys
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, mapping: ParallelMapping, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, mapping)
+        self.mlp = make_mlp(config, mapping, layer_index)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden, meta.all_rank_num_tokens), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: Any, mapping: ParallelMapping) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, mapping.attn_mapping
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, mapping, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final normed hidden states [T, H] and the residual stream after each layer in
+        ``capture_layers``."""
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta)
+            if i in capture_layers:
+                captured[i] = hidden + residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, [captured[i] for i in capture_layers]
+
+
+class DeepseekV3MTPDraft(MTPDraft):
+    """MTP layers whose block is the DeepSeek-V3 one (MLA writing its own latent cache, and the
+    MoE of layer ``num_hidden_layers``); row-picked steps run the MoE on the picked rows only."""
+
+    def __init__(self, config: Any, mapping: ParallelMapping, num_layers: int) -> None:
+        def make_layer() -> nn.Module:
+            return MTPLayer(
+                config,
+                mapping,
+                False,
+                False,
+                self_attn=MLAAttention(config, mapping),
+                mlp=make_mlp(config, mapping, int(config.num_hidden_layers)),
+            )
+
+        super().__init__(config, mapping, num_layers, False, False, make_layer=make_layer)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int
+    ) -> set[str]:
+        return load_deepseek_weights(
+            self, weights, lambda name: self.checkpoint_names(name, first_layer, num_ckpt_layers)
+        )
+
+    def expected_weights(self) -> set[str]:
+        return deepseek_expected_keys(self)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Causal LM over the paged latent cache; same interface as the Llama family's."""
+
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: Any, mapping: ParallelMapping | None = None) -> None:
+        super().__init__()
+        mapping = mapping or ParallelMapping()
+        self.config = config
+        self.mapping = mapping
+        self.model = DeepseekV3Model(config, mapping)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(input_ids, positions, meta, capture_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[LatentPagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def build_mtp_draft(self, config: Any, mapping: ParallelMapping, num_layers: int) -> DraftHead:
+        """The MTP draft for this target (``models.loader.load_draft`` asks for it)."""
+        return DeepseekV3MTPDraft(config, mapping, num_layers)
+
+    def checkpoint_names(self, name: str) -> list[str] | None:
+        """Which of our parameters a checkpoint tensor fills; None = not ours to load."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("model.layers."):
+            if int(name.split(".")[2]) >= self.config.num_hidden_layers:
+                return None  # MTP layers belong to the draft
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        return [name]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return load_deepseek_weights(self, weights, self.checkpoint_names)
+
+    def expected_weights(self) -> set[str]:
+        skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        return deepseek_expected_keys(self, skip)
