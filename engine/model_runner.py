@@ -8,12 +8,18 @@ per-request random generators, and it receives plain, picklable step description
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from engine.cuda_graph import CUDAGraphRunner, GraphKey, is_generation_request, sampling_variant
+from engine.cuda_graph import (
+    CUDAGraphRunner,
+    GraphKey,
+    GraphPlan,
+    sampling_variant,
+    step_can_graph,
+)
 from engine.request import TokenLogprobs
 from engine.sampler import (
     GREEDY_EPS,
@@ -28,6 +34,9 @@ from engine.speculative.interface import SpecMetadata
 from kernels.paged_attention import build_attention_plan
 from models.attention import AttentionMetadata
 from models.parallel import all_ranks_true
+
+if TYPE_CHECKING:
+    from engine.graph_runner import GraphReplay, GraphRunner
 
 
 @dataclass
@@ -159,6 +168,7 @@ class ModelRunner:
         self.dp_rank = dp_rank
         self.dummy_block_ids: list[int] = []  # attention DP: the reserved blocks (last ones)
         self.graphs: CUDAGraphRunner | None = None  # set by the worker
+        self.graph_runner: GraphRunner | None = None  # captured graphs (worker; CUDA)
         self.device = device
         self.block_size = block_size
         self.vocab_size = int(model.config.vocab_size)
@@ -170,7 +180,7 @@ class ModelRunner:
             SpecMetadata(spec.k, spec.config.use_rejection_sampling) if spec is not None else None
         )
         self.generators: dict[str, torch.Generator] = {}
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         torch.manual_seed(seed)
 
     # ---------------------------------------------------------------- KV cache
@@ -182,21 +192,23 @@ class ModelRunner:
         return layers
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
         return sum(
-            2 * self.block_size * a.num_kv_heads * a.head_dim * elem
+            a.kv_cache_spec().bytes_per_block(self.block_size, dtype)
             for a in self.attention_layers()
         )
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        """One K and one V tensor per attention layer (target, then draft layers)."""
+        """The cache tensors each attention layer asks for (``kv_cache_spec``: K and V, or one
+        latent tensor), target layers then draft layers."""
         self.kv_caches = []
         for attn in self.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            k = torch.zeros(shape, dtype=dtype, device=self.device)
-            v = torch.zeros(shape, dtype=dtype, device=self.device)
-            attn.k_cache, attn.v_cache = k, v
-            self.kv_caches.append((k, v))
+            spec = attn.kv_cache_spec()
+            shape = (num_blocks, self.block_size, *spec.token_shape)
+            caches = tuple(
+                torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_tensors)
+            )
+            attn.bind_kv_cache(caches)
+            self.kv_caches.append(caches)
         n = num_dummy_blocks(self.block_size, self.k)
         self.dummy_block_ids = list(range(num_blocks - n, num_blocks))
 
@@ -261,13 +273,22 @@ class ModelRunner:
         qsl_t = t(qsl, torch.int32)
         max_q = max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens)))
         max_s = max(seq_lens)
+        slot_mapping = t(slots, torch.int64)
         plan = None
         if dev.type == "cpu":
             plan = build_attention_plan(
-                block_tables, seq_lens_t, qsl_t, bs, max_q, max_s, num_tokens=len(ids)
+                block_tables,
+                seq_lens_t,
+                qsl_t,
+                bs,
+                max_q,
+                max_s,
+                num_tokens=len(ids),
+                full_keys=all(n == max_s for n in seq_lens),
+                slot_mapping=slot_mapping,
             )
         meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
+            slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens=seq_lens_t,
             query_start_loc=qsl_t,
@@ -373,8 +394,22 @@ class ModelRunner:
         own = steps[self.dp_rank]
         if not own.requests:  # no rank has work: no collective at all
             return self.execute(own)
-        # Sampling path first (group-synced), then the graph key and padding, then the forward.
-        sampled = [r for r in own.requests if r.sample]
+        advanced, plan = self.plan_graph(own.requests)
+        if plan.key is not None:  # every rank pads to the same bucket (all know every entry)
+            steps = [self.pad_generation(s, plan.key.batch_size - len(s.requests)) for s in steps]
+        counts = [sum(len(r.token_ids) for r in s.requests) for s in steps]
+        picked = [sum(r.sample for r in s.requests) for s in steps]
+        out = self.execute(steps[self.dp_rank], (counts, picked), scanned=True, key=plan.key)
+        if self.spec is not None:
+            self.spec.forget([rid for rid in self.spec.draft_q if is_dummy(rid)])
+        out = drop_dummy(out)
+        out.rank_paths = [(advanced, plan.key)]
+        return out
+
+    def plan_graph(self, requests: list[RequestStep]) -> tuple[bool, GraphPlan]:
+        """The step's sampling path first (group-synced), then the graph key and padding:
+        (advanced draft sampling, plan)."""
+        sampled = [r for r in requests if r.sample]
         # The sampler's own test (``SamplingTensors.all_greedy``), so the rescan agrees.
         local_greedy = all(
             r.params is not None and r.params.temperature < GREEDY_EPS for r in sampled
@@ -384,22 +419,23 @@ class ModelRunner:
             assert self.spec_meta is not None
             self.scan_sampling_path(self.spec_meta, local_greedy)
             advanced = self.spec_meta.wants_advanced_draft_sampling
-        can_graph = all(
-            is_generation_request(len(r.token_ids), r.num_drafts, r.sample) for r in own.requests
-        )
         variant = sampling_variant(self.k, advanced, local_greedy)
         assert self.graphs is not None
-        plan = self.graphs.plan(can_graph, len(own.requests), variant)
-        if plan.key is not None:  # every rank pads to the same bucket (all know every entry)
-            steps = [self.pad_generation(s, plan.key.batch_size - len(s.requests)) for s in steps]
-        counts = [sum(len(r.token_ids) for r in s.requests) for s in steps]
-        picked = [sum(r.sample for r in s.requests) for s in steps]
-        out = self.execute(steps[self.dp_rank], (counts, picked), scanned=True)
+        return advanced, self.graphs.plan(step_can_graph(requests, self.k), len(requests), variant)
+
+    @torch.inference_mode()
+    def execute_plain(self, step: StepInput) -> StepOutput:
+        """A step without attention DP. With captured graphs, a generation-only step is planned
+        first (sampling path, key, padding with dummy requests) and replayed."""
+        if self.graph_runner is None or self.graphs is None or not step.requests:
+            return self.execute(step)
+        _, plan = self.plan_graph(step.requests)
+        if plan.key is None:
+            return self.execute(step, scanned=True)
+        out = self.execute(self.pad_generation(step, plan.num_padding), scanned=True, key=plan.key)
         if self.spec is not None:
             self.spec.forget([rid for rid in self.spec.draft_q if is_dummy(rid)])
-        out = drop_dummy(out)
-        out.rank_paths = [(advanced, plan.key)]
-        return out
+        return drop_dummy(out)
 
     def pad_generation(self, step: StepInput, n: int) -> StepInput:
         """``step`` plus ``n`` dummy generation requests (graph padding; reserved blocks)."""
@@ -414,8 +450,10 @@ class ModelRunner:
         step: StepInput,
         adp_counts: tuple[list[int], list[int]] | None = None,
         scanned: bool = False,
+        key: GraphKey | None = None,
     ) -> StepOutput:
-        """``scanned``: the sampling path was already scanned (and group-synced) this step."""
+        """``scanned``: the sampling path was already scanned (and group-synced) this step.
+        ``key``: the step's graph (planned and padded by the caller); replayed if captured."""
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
         if self.spec is not None:
@@ -423,11 +461,17 @@ class ModelRunner:
         if not step.requests:
             return StepOutput([], [], [])
         inp = self.prepare(step, adp_counts)
-        hidden, captured = self.model(
-            inp.input_ids, inp.positions, inp.meta, capture_layers=self.capture_layers
-        )
+        replay = None
+        if key is not None and self.graph_runner is not None:
+            replay = self.graph_runner.bind(key, inp)
+        if replay is not None:
+            hidden, captured = replay.forward()
+        else:
+            hidden, captured = self.model(
+                inp.input_ids, inp.positions, inp.meta, capture_layers=self.capture_layers
+            )
         if self.spec is not None:
-            return self._execute_spec(inp, hidden, captured, scanned)
+            return self._execute_spec(inp, hidden, captured, scanned, replay)
         if not inp.sampled:
             return StepOutput([], [], [])
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
@@ -466,6 +510,7 @@ class ModelRunner:
         hidden: torch.Tensor,
         captured: list[torch.Tensor],
         scanned: bool = False,
+        replay: GraphReplay | None = None,
     ) -> StepOutput:
         spec = self.spec
         assert spec is not None
@@ -490,7 +535,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[layout.rows.view(-1)]).float().view(b, k1, -1)
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)
-        new_drafts = spec.propose(
+        propose = spec.propose if replay is None else replay.propose
+        new_drafts = propose(
             inp,
             inp.input_ids,
             inp.positions,

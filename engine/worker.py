@@ -8,9 +8,11 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graph import CUDAGraphRunner
+from engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
+from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
+from models.layers import pack_cpu_linears
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
 
@@ -72,6 +74,10 @@ class Worker:
             spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
+        if config.device.type == "cpu":  # bf16 weights: oneDNN's faster layout (no-op otherwise)
+            pack_cpu_linears(self.model)
+            if spec is not None:
+                pack_cpu_linears(spec.draft)
         self.runner = ModelRunner(
             self.model,
             config.device,
@@ -81,18 +87,30 @@ class Worker:
             capture,
             dp_rank=self.mapping.tp_rank if self.mapping.enable_attention_dp else 0,
         )
+        gc = config.graph_config
+        mode = graph_mode(config.device, gc.enforce_eager)
         self.runner.graphs = CUDAGraphRunner(
             config.scheduler_config.max_num_seqs,
             self.runner.k,
             self.mapping,
             config.device,
-            enabled=self.mapping.uses_adp_collectives,
+            enabled=self.mapping.uses_adp_collectives or mode is not None,
+            batch_sizes=gc.cuda_graph_batch_sizes,
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
         if agree_num_blocks is not None:
             self.num_blocks = agree_num_blocks(self.num_blocks)
         self.runner.allocate_kv_cache(self.num_blocks, mc.dtype)
+        if mode is not None:  # capture every graph key now (reads the reserved dummy blocks)
+            sizes = graph_batch_sizes(
+                config.scheduler_config.max_num_seqs, gc.cuda_graph_batch_sizes
+            )
+            self.runner.graph_runner = GraphRunner(
+                self.runner, sizes, mc.max_model_len, self.mapping, mode
+            )
+            self.runner.graph_runner.capture_all()
+            logger.info("graphs (%s): captured %d keys", mode, len(self.runner.graph_runner.graphs))
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             self.num_blocks,
@@ -105,4 +123,4 @@ class Worker:
         and returns its own output."""
         if isinstance(step, DPStepInput):
             return self.runner.execute_dp(step)
-        return self.runner.execute(step)
+        return self.runner.execute_plain(step)

@@ -53,12 +53,14 @@ def write_kv_cache(
     slot_mapping: Tensor,
     *,
     use_triton: bool | None = None,
+    plan: AttentionPlan | None = None,
 ) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] at flat slots `slot_mapping` [num_tokens].
 
     Negative slots (padding rows) are skipped. On CUDA a Triton kernel does the store without a
-    host sync; on CPU a boolean filter is used (no device to sync with). `use_triton=True` on CPU
-    runs the kernel in the Triton interpreter (tests).
+    host sync; on CPU a boolean filter is used (no device to sync with), or the filtered slots
+    of `plan` when it was built with this `slot_mapping` (every layer of a step shares them).
+    `use_triton=True` on CPU runs the kernel in the Triton interpreter (tests).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
@@ -70,10 +72,16 @@ def write_kv_cache(
             raise RuntimeError("use_triton=True but triton is not installed")
         _write_kv_cache_triton(k, v, k_flat, v_flat, slot_mapping)
         return
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    k_flat.index_copy_(0, slots, k[valid].to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, v[valid].to(v_flat.dtype))
+    if plan is not None and plan.write_slots is not None:
+        slots, rows = plan.write_slots, plan.write_rows
+        if rows is not None:
+            k, v = k.index_select(0, rows), v.index_select(0, rows)
+    else:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        k, v = k[valid], v[valid]
+    k_flat.index_copy_(0, slots, k if k.dtype == k_flat.dtype else k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slots, v if v.dtype == v_flat.dtype else v.to(v_flat.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,19 +138,25 @@ class AttentionPlan:
     """Index tensors shared by every attention layer of one step (build once, reuse per layer).
 
     slots:    [num_seqs * max_seq_len] int64 flat cache slots (0 beyond each sequence's length).
-    mask:     [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend (causal + length).
+    mask:     [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend (causal + length);
+              None when every key is visible to every query (one query token per sequence and
+              every sequence exactly max_seq_len long, e.g. batch-1 decode).
     pad_idx:  [num_tokens] int64 row of each query token in the padded [num_seqs * max_query_len]
               layout, or None when the batch is pure decode with one token per sequence.
+    write_slots, write_rows: the KV-write slots of the rows with a valid slot, and those rows
+              (None: every row); only when the plan was built with the step's slot mapping.
     """
 
     slots: Tensor
-    mask: Tensor
+    mask: Tensor | None
     pad_idx: Tensor | None
     num_tokens: int
     num_seqs: int
     max_query_len: int
     max_seq_len: int
     block_size: int
+    write_slots: Tensor | None = None
+    write_rows: Tensor | None = None
 
 
 def build_attention_plan(
@@ -154,11 +168,16 @@ def build_attention_plan(
     max_seq_len: int,
     *,
     num_tokens: int | None = None,
+    full_keys: bool = False,
+    slot_mapping: Tensor | None = None,
 ) -> AttentionPlan:
     """Precompute gather slots, padding indices and the attention mask for one batch.
 
     Pass `num_tokens` (the query row count, a host int) to avoid the one host read of
-    `query_start_loc[-1]`.
+    `query_start_loc[-1]`. `full_keys`: the caller knows every sequence has exactly
+    `max_seq_len` KV positions, so with one query token per sequence no mask is needed.
+    `slot_mapping` (host-side tensor): the step's KV-write slots, filtered here once for every
+    layer's `write_kv_cache`.
     """
     if num_tokens is None:
         num_tokens = int(query_start_loc[-1])
@@ -169,32 +188,50 @@ def build_attention_plan(
     pos = torch.arange(max_seq_len, device=device)  # [S]
     block_idx = (pos // block_size).clamp_(max=block_tables.shape[1] - 1)
     slots = block_tables[:, block_idx].long() * block_size + pos % block_size  # [B, S]
-    key_valid = pos[None, :] < seq_lens[:, None]  # [B, S]
-    # Unused block-table entries are arbitrary: never gather through them.
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    key_valid = None  # full_keys: every gathered position is a real key
+    if not full_keys:
+        key_valid = pos[None, :] < seq_lens[:, None]  # [B, S]
+        # Unused block-table entries are arbitrary: never gather through them.
+        slots = torch.where(key_valid, slots, torch.zeros_like(slots))
     # Flat: index_select on [num_slots, Hkv, D] is several times faster than [B, S] indexing.
-    slots = torch.where(key_valid, slots, torch.zeros_like(slots)).view(-1)
-
-    query_lens = qsl[1:] - qsl[:-1]  # [B]
-    j = torch.arange(max_query_len, device=device)
-    q_pos = (seq_lens - query_lens)[:, None] + j[None, :]  # [B, Q]
-    # Padded query rows (j >= ql) get q_pos >= seq_len, so they still see every valid key and
-    # never form an all-masked (NaN) row; they are dropped when unpadding anyway.
-    mask = (pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]  # [B, Q, S]
+    slots = slots.view(-1)
+    mask = None
+    if not (decode and full_keys):
+        query_lens = qsl[1:] - qsl[:-1]  # [B]
+        j = torch.arange(max_query_len, device=device)
+        q_pos = (seq_lens - query_lens)[:, None] + j[None, :]  # [B, Q]
+        # Padded query rows (j >= ql) get q_pos >= seq_len, so they still see every valid key
+        # and never form an all-masked (NaN) row; they are dropped when unpadding anyway.
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
+        if key_valid is not None:
+            mask = mask & key_valid[:, None, :]
+        mask = mask[:, None]
 
     pad_idx = None
-    if not (max_query_len == 1 and num_tokens == num_seqs):
+    if not decode:
         tok = torch.arange(num_tokens, device=device)
         seq_id = torch.searchsorted(qsl[1:], tok, right=True)  # [T]
         pad_idx = seq_id * max_query_len + (tok - qsl[seq_id])
+    write_slots = write_rows = None
+    if slot_mapping is not None:
+        valid = slot_mapping >= 0
+        if bool(valid.all()):  # a host tensor: no device to sync with
+            write_slots = slot_mapping.long()
+        else:
+            write_rows = valid.nonzero().squeeze(1)
+            write_slots = slot_mapping[write_rows].long()
     return AttentionPlan(
         slots=slots,
-        mask=mask[:, None],
+        mask=mask,
         pad_idx=pad_idx,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         block_size=block_size,
+        write_slots=write_slots,
+        write_rows=write_rows,
     )
 
 
@@ -223,7 +260,7 @@ def _paged_attention_torch(
         q_pad = q_pad.view(B, Q, num_kv_heads, group, head_dim).transpose(1, 2)
         q_fold = q_pad.reshape(B, num_kv_heads, Q * group, head_dim)  # rows ordered (Q, G)
         mask = plan.mask
-        if group > 1:
+        if group > 1 and mask is not None:
             mask = mask[:, :, :, None, :].expand(B, 1, Q, group, S).reshape(B, 1, Q * group, S)
     out = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
     if plan.pad_idx is None:

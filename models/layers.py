@@ -67,10 +67,12 @@ class RMSNorm(nn.Module):
         self.weight = set_loader(nn.Parameter(torch.ones(hidden_size)), default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then scaled by the weight
+        # (the Hugging Face order). One fused call when nothing needs rounding in between.
+        shape = self.weight.shape
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return torch.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -108,16 +110,62 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended ``scale`` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, rotary_dim: int, p: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between the
+    correction dims of ``beta_fast`` / ``beta_slow`` rotations; returns (inv_freq, the factor
+    cos/sin are scaled by)."""
+    old_len = float(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or max_position / old_len)
+    base = float(p.get("rope_theta", 10000.0))
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(float(p.get("beta_fast") or 32))
+    high = correction_dim(float(p.get("beta_slow") or 1))
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv_freq = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, float(attention_factor)
+
+
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 
 
-def get_rope(rotary_dim: int, max_position: int, params: dict[str, Any]) -> RotaryEmbedding:
+def get_rope(
+    rotary_dim: int, max_position: int, params: dict[str, Any], interleaved: bool = False
+) -> RotaryEmbedding:
     """One rotary module (and cos/sin cache) per distinct setting, shared by all layers."""
-    key = (rotary_dim, max_position, repr(sorted(params.items())), torch.get_default_dtype())
+    key = (
+        rotary_dim,
+        max_position,
+        repr(sorted(params.items())),
+        torch.get_default_dtype(),
+        interleaved,
+    )
     device = torch.empty(0).device
     rope = _ROPE_CACHE.get(key)
     if rope is None or rope.cos_sin.device != device:
-        rope = _ROPE_CACHE[key] = RotaryEmbedding(rotary_dim, max_position, params)
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(rotary_dim, max_position, params, interleaved)
     return rope
 
 
@@ -140,9 +188,14 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "linear":
             inv_freq = inv_freq / float(params["factor"])
+        elif rope_type == "yarn":
+            inv_freq, self.attention_scaling = _yarn_inv_freq(
+                inv_freq, rotary_dim, params, max_position
+            )
         elif rope_type != "default":
             raise ValueError(
-                f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3"
+                f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, "
+                "yarn"
             )
         # Margin: speculative draft steps look up to 2K positions past the last real token.
         self._set_cache(inv_freq, max_position + 64)
@@ -160,6 +213,26 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D]; rotates the first ``rotary_dim`` dims."""
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rot/2] each
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every head of x [T, N, D] rotated (e.g. q and k heads side by side, as the fused qkv
+        projection lays them out): one table lookup and a few whole-tensor ops instead of the
+        per-half ops of ``forward``, with the same rounding. Returns a new [T, N, D] tensor."""
+        if self.interleaved or self.rotary_dim != x.shape[-1]:
+            cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+            return self._apply(x, cos, sin)
+        t, n, d = x.shape
+        half = d // 2
+        cs = self.cos_sin[positions].view(t, 1, 2, 1, half)  # [T, 1, (cos, sin), 1, D/2]
+        cos, sin = cs[:, :, 0], cs[:, :, 1]
+        halves = x.view(t, n, 2, half)  # (x1, x2) of every head
+        if halves.dtype != torch.float32:
+            halves = halves.float()
+        out = halves * cos  # (x1 cos, x2 cos)
+        swapped = halves.flip(2).mul_(sin)  # (x2 sin, x1 sin)
+        out[:, :, 0].sub_(swapped[:, :, 0])  # x1 cos - x2 sin
+        out[:, :, 1].add_(swapped[:, :, 1])  # x2 cos + x1 sin
+        return out.view(t, n, d).to(x.dtype)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -179,7 +252,54 @@ class RotaryEmbedding(nn.Module):
 # ----------------------------------------------------------------------------- linears
 
 
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Give every bfloat16 linear and LM head of ``model`` on CPU a copy of its weight in
+    oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout
+    (decode is bound by reading weights). Inference only: the copy does not follow later
+    in-place weight updates. Returns the number of packed weights; 0 where oneDNN bf16 is
+    unavailable or disagrees with ``F.linear`` on a probe."""
+    targets = [
+        m
+        for m in model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead))
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.bfloat16
+        and m.weight.dim() == 2
+    ]
+    if not targets:
+        return 0
+    try:
+        if not (
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            return 0
+        w = targets[0].weight.detach()
+        probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = probe.to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if not torch.allclose(
+            _packed_linear(probe, packed, None).float(),
+            F.linear(probe, w).float(),
+            rtol=1e-2,
+            atol=1e-2,
+        ):
+            return 0
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return 0
+    for m in targets:
+        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
+    return len(targets)
+
+
 class LinearBase(nn.Module):
+    packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = set_loader(
@@ -197,8 +317,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         copy_checked(param, read_loaded(loaded))
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return _packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -321,7 +446,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, narrow_loaded(loaded, 1, self.mapping.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.matmul(x, None)
         if self.reduce:
             out = all_reduce(out, self.mapping)
         return out if self.bias is None else out + self.bias
@@ -366,16 +491,20 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head whose rows (vocabulary) are split across ranks; logits are gathered."""
 
+    packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.local_logits(hidden)
         logits = all_gather_last_dim(logits, self.mapping)
         return logits[..., : self.vocab_size]
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
+        if self.packed_weight is not None:
+            return _packed_linear(hidden, self.packed_weight, None)
         return F.linear(hidden, self.weight)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]  # silu(gate) * up

@@ -68,15 +68,17 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        v = qkv[:, (h + hkv) * d :].view(-1, hkv, d)
+        if self.q_norm is None:
+            # q and k heads are adjacent in each row: rotate them in one go.
+            qk = self.rotary_emb.rotate(positions, qkv[:, : (h + hkv) * d].view(-1, h + hkv, d))
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = self.q_norm(qkv[:, : h * d].view(-1, h, d))
+            k = self.k_norm(qkv[:, h * d : (h + hkv) * d].view(-1, hkv, d))
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

@@ -63,3 +63,40 @@ def test_dtype_auto_follows_checkpoint(tmp_path: Path) -> None:
             [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         )
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_packed_bf16_linears_match_plain_ones(tmp_path: Path) -> None:
+    # On CPU the engine packs bf16 linear weights for oneDNN; logits stay those of F.linear.
+    from models.layers import LinearBase, pack_cpu_linears
+    from models.loader import load_model
+
+    folder = build_llama(tmp_path / "m", dtype=torch.bfloat16, tie=True)
+    model = load_model(str(folder), torch.bfloat16, torch.device("cpu"))
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    linear = model.model.layers[0].mlp.gate_up_proj
+    plain = linear(hidden), model.compute_logits(hidden)
+    if pack_cpu_linears(model) == 0:
+        pytest.skip("oneDNN bf16 is not available here")
+    assert isinstance(linear, LinearBase) and linear.packed_weight is not None
+    packed = linear(hidden), model.compute_logits(hidden)
+    for a, b in zip(plain, packed, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_packed_bf16_engine_keeps_greedy_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = build_llama(tmp_path / "bf16", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run() -> tuple[bool, list[list[int]]]:
+        with LLM(str(folder), dtype="bfloat16", max_num_seqs=4) as llm:
+            model = llm.engine.executor.worker.model
+            packed = model.model.layers[0].self_attn.qkv_proj.packed_weight is not None
+            return packed, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+    packed, tokens = run()
+    if not packed:
+        pytest.skip("oneDNN bf16 is not available here")
+    monkeypatch.setattr("engine.worker.pack_cpu_linears", lambda model: 0)
+    assert run() == (False, tokens)

@@ -287,6 +287,45 @@ def test_write_kv_cache_torch(dtype):
     _check_write(use_triton=False, dtype=dtype)
 
 
+@pytest.mark.parametrize("slots", [[5, -1, 0, 23, -1, 12, 13], [5, 0, 23, 12]], ids=["pad", "all"])
+def test_write_kv_cache_with_plan_slots(slots):
+    # A plan built with the step's slot mapping filters it once; every layer's write through
+    # the plan stores exactly what the per-call filter stores.
+    gen = torch.Generator().manual_seed(3)
+    shape = (6, 4, 2, 16)
+    caches = [torch.randn(shape, generator=gen) for _ in range(2)]
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    k = torch.randn(len(slots), 2, 16, generator=gen)
+    v = torch.randn(len(slots), 2, 16, generator=gen)
+    n = len(slots)
+    plan = build_attention_plan(
+        torch.zeros(n, 1, dtype=torch.int32),
+        torch.ones(n, dtype=torch.int32),
+        torch.arange(n + 1, dtype=torch.int32),
+        4,
+        1,
+        1,
+        slot_mapping=mapping,
+    )
+    assert (plan.write_rows is None) == (min(slots) >= 0)
+    expected = [c.clone() for c in caches]
+    write_kv_cache(k, v, *expected, mapping)
+    write_kv_cache(k, v, *caches, mapping, plan=plan)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_full_keys_decode_plan_drops_the_mask():
+    # One query token per sequence, every sequence max_seq_len long: nothing to mask.
+    b = make_batch([(15, 1), (15, 1), (15, 1)], 8, 2, 16, block_size=4)
+    args = b.block_tables, b.seq_lens, b.query_start_loc, 4, 1, b.max_seq_len
+    plan = build_attention_plan(*args, full_keys=True)
+    assert plan.mask is None and plan.pad_idx is None
+    assert torch.equal(plan.slots, build_attention_plan(*args).slots)
+    assert_close(
+        paged_attention(*b.args(), plan=plan), paged_attention_reference(*b.args()), torch.float32
+    )
+
+
 def test_write_then_attend_round_trip():
     # Writing a chunk's K/V through slot mapping and attending gives the reference answer.
     b = make_batch([(5, 3), (0, 4)], 4, 2, 16, block_size=4)
