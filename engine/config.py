@@ -109,6 +109,30 @@ class ParallelConfig:
             raise ValueError("enable_lm_head_tp_in_adp=True requires enable_attention_dp=True")
 
 
+@dataclass(frozen=True)
+class CUDAGraphConfig:
+    """CUDA graphs for generation-only steps (captured at start-up, replayed per step).
+
+    ``enforce_eager``: never capture (every step runs eagerly). ``cuda_graph_batch_sizes``: the
+    padded batch sizes to capture, ascending; None: 1, 2, 4, 8, then multiples of 8 up to
+    ``max_num_seqs``. Sizes above ``max_num_seqs`` are dropped. CPU never captures."""
+
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            _require(
+                len(sizes) >= 1
+                and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)
+                and list(sizes) == sorted(set(sizes)),
+                "cuda_graph_batch_sizes",
+                sizes,
+                "a non-empty, strictly ascending list of integers >= 1",
+            )
+
+
 SPEC_METHODS = ("eagle3", "mtp")
 
 
@@ -187,6 +211,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: torch.device
     speculative_config: SpeculativeConfig | None = None
+    graph_config: CUDAGraphConfig = CUDAGraphConfig()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -222,6 +247,8 @@ class EngineArgs:
     enable_lm_head_tp_in_adp: bool = False
     served_model_name: str | None = None
     speculative_config: dict[str, Any] | None = None
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -276,4 +303,12 @@ class EngineArgs:
             ),
             device=device,
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
+            graph_config=CUDAGraphConfig(
+                enforce_eager=self.enforce_eager,
+                cuda_graph_batch_sizes=(
+                    None
+                    if self.cuda_graph_batch_sizes is None
+                    else tuple(self.cuda_graph_batch_sizes)
+                ),
+            ),
         )

@@ -7,13 +7,18 @@ TP — before the key is built. Under attention DP the ranks agree with one all-
 ``[can_graph, batch_size]``: if every rank can graph, every rank pads to the bucket of the largest
 batch with dummy generation requests; if any rank has a context (prefill) request, all run eager.
 
-Capture is not implemented yet: every device executes eagerly. The key, the buckets, the padding
-and the agreement run exactly as they would around a capture, so they are tested on CPU.
+Capture and replay live in ``engine/graph_runner.py``: on CUDA every key is captured at start-up
+and replayed thereafter; on CPU the same key and padding logic runs and execution is eager (a
+test-only switch replays through the same static buffers without a graph). ``enforce_eager``
+turns graphs off; ``cuda_graph_batch_sizes`` replaces the default buckets.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +30,7 @@ ADVANCED = "advanced"  # drafts sampled, rejection sampling reads q
 SAMPLED = "sampled"  # no speculation, some row is random
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class GraphKey:
     batch_size: int  # padded to a bucket
     draft_len: int
@@ -39,6 +44,37 @@ def batch_size_buckets(max_batch_size: int) -> tuple[int, ...]:
     buckets = [b for b in (1, 2, 4) if b < max_batch_size]
     buckets += list(range(8, max_batch_size, 8))
     return (*buckets, max_batch_size)
+
+
+def graph_batch_sizes(max_batch_size: int, configured: Sequence[int] | None) -> tuple[int, ...]:
+    """The buckets to capture: the configured sizes up to ``max_batch_size`` (at least the
+    smallest one), else ``batch_size_buckets(max_batch_size)``."""
+    if configured is None:
+        return batch_size_buckets(max_batch_size)
+    sizes = tuple(b for b in configured if b <= max_batch_size)
+    return sizes or (min(configured),)
+
+
+# Test-only: replay through the static buffers on CPU (no graph; the same copy-in and slicing).
+STATIC_GRAPHS_ENV = "TANDEM_TEST_STATIC_GRAPHS"
+
+
+def graph_mode(device: torch.device, enforce_eager: bool) -> str | None:
+    """The graph mode: "cuda" (capture and replay CUDA graphs), "static" (CPU, test switch: the
+    static-buffer path run eagerly) or None (eager; the CPU default)."""
+    if enforce_eager:
+        return None
+    if device.type == "cuda":
+        return "cuda"
+    if os.environ.get(STATIC_GRAPHS_ENV, "0").strip().lower() in ("1", "true", "yes"):
+        return "static"
+    return None
+
+
+def dummy_kv_tokens(draft_len: int) -> int:
+    """KV positions a dummy generation request writes: its verify rows (0..K) and the draft
+    loop's single-row steps (up to K accepted + K - 1 further positions)."""
+    return max(draft_len + 1, 2 * draft_len)
 
 
 def padded_batch_size(batch_size: int, buckets: tuple[int, ...]) -> int | None:
@@ -68,6 +104,16 @@ def graph_key(
 def is_generation_request(num_rows: int, num_drafts: int, sample: bool) -> bool:
     """One verified token plus its drafts, sampled: the only shape a graph is captured for."""
     return sample and num_rows == 1 + num_drafts
+
+
+def step_can_graph(requests: Sequence[Any], draft_len: int) -> bool:
+    """Every request is a generation request with all ``draft_len`` drafts (the captured
+    shape: K + 1 rows each); drafts cut short near ``max_tokens`` run eagerly."""
+    return bool(requests) and all(
+        is_generation_request(len(r.token_ids), r.num_drafts, r.sample)
+        and r.num_drafts == draft_len
+        for r in requests
+    )
 
 
 def agree_across_ranks(
@@ -101,8 +147,9 @@ class CUDAGraphRunner:
         mapping: ParallelMapping,
         device: torch.device,
         enabled: bool,
+        batch_sizes: Sequence[int] | None = None,
     ) -> None:
-        self.buckets = batch_size_buckets(max_batch_size)
+        self.buckets = graph_batch_sizes(max_batch_size, batch_sizes)
         self.draft_len = draft_len
         self.mapping = mapping
         self.device = device

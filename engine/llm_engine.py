@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs, EngineConfig
-from engine.cuda_graph import GraphKey
+from engine.cuda_graph import GraphKey, graph_mode
 from engine.detokenizer import Detokenizer
 from engine.executor import Executor, make_executor
 from engine.input_processor import ContextLengthExceededError, InputProcessor
@@ -68,7 +68,8 @@ class LLMEngine:
         # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
         self.dp_size = pc.tensor_parallel_size if pc.enable_attention_dp else 1
         num_blocks = self.executor.num_blocks
-        if self.dp_size > 1:
+        # Graph padding also runs dummy requests on those blocks.
+        if self.dp_size > 1 or graph_mode(config.device, config.graph_config.enforce_eager):
             num_blocks -= num_dummy_blocks(cc.block_size, self.num_spec_tokens)
         self.block_managers = [
             BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

@@ -17,6 +17,7 @@ import yaml
 
 from engine.config import (
     CacheConfig,
+    CUDAGraphConfig,
     EngineArgs,
     ParallelConfig,
     SchedulerConfig,
@@ -196,6 +197,7 @@ def _validate_configs(checked: dict[str, Any]) -> None:
         max_model_len=args.max_model_len or SchedulerConfig.max_model_len,
         max_waiting_requests=args.max_waiting_requests,
     )
+    CUDAGraphConfig(args.enforce_eager, args.cuda_graph_batch_sizes)
     ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         enable_attention_dp=args.enable_attention_dp,

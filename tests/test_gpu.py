@@ -1,6 +1,7 @@
 """GPU checks (``make gpu-check``): speculation on CUDA gives the CPU's greedy output and the
 target's sampling distribution, a one-rank NCCL group runs the tensor-parallel executor path,
-and (once it exists) CUDA-graph replay equals eager execution.
+and CUDA-graph replay equals eager execution for every graph key (and warm-up captures every
+bucket).
 
 Triton kernels compiled for real and compared with their references are the gpu tests in
 ``test_paged_attention.py`` and ``test_spec_kernels.py``; ``scripts/gpu_check.sh`` runs every
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from graph_checks import GREEDY as GRAPH_GREEDY
+from graph_checks import MIXED, check_adp_dummy, check_variant, make_worker, spec_config
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
 from engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from engine.cuda_graph import ADVANCED, SAMPLED, GraphKey, dummy_kv_tokens
+from engine.cuda_graph import GREEDY as GRAPH_GREEDY_VARIANT
 from engine.executor import MultiProcExecutor
 
 pytestmark = [
@@ -179,8 +185,66 @@ def test_one_rank_nccl_group_runs_the_tensor_parallel_path(models, cpu_greedy, m
     assert not dist.is_initialized()
 
 
-@pytest.mark.skip(reason="CUDA-graph runner not implemented yet")
-def test_cuda_graph_replay_equals_eager() -> None:
+# ------------------------------------------------------------------ CUDA graphs
+
+
+def _graph_worker(models: dict[str, Path], method: str, **kw: Any) -> Any:
+    target = models["vanilla" if method == "mtp-vanilla" else "target"]
+    worker = make_worker(target, spec_config(method, models["eagle3"]), DEVICE, **kw)
+    graphs = worker.runner.graph_runner
+    assert graphs is not None and graphs.use_cuda
+    for captured in graphs.graphs.values():  # real graphs, not the static fallback
+        assert captured.target.graph is not None
+        assert (captured.draft is None) == (method == "none")
+        assert captured.draft is None or captured.draft.graph is not None
+    return worker
+
+
+@pytest.mark.parametrize("method", ["none", "mtp-eagle", "eagle3", "mtp-vanilla"])
+def test_cuda_graph_replay_equals_eager(models, method: str) -> None:
     """For every graph key (padded batch size, draft length, sampling variant): replaying the
-    captured target forward plus draft loop gives what eager execution gives."""
-    pytest.fail("write this with engine/cuda_graph.py")
+    captured target forward plus draft loop gives what eager execution gives, padding rows
+    included, and padding rows leave the live rows' greedy output unchanged."""
+    worker = _graph_worker(models, method)
+    check_variant(worker, [GRAPH_GREEDY] * 4, GRAPH_GREEDY_VARIANT)
+    check_variant(worker, MIXED, ADVANCED if method != "none" else SAMPLED)
+
+
+def test_cuda_graph_warm_up_captures_every_bucket(models) -> None:
+    """Every configured bucket x variant is captured at start-up (none silently skipped), the
+    dummy request's reserved blocks hold all it writes, and the attention-DP dummy replays."""
+    sizes = (1, 2, 3, 4, 8)
+    worker = _graph_worker(models, "mtp-eagle", batch_sizes=sizes)
+    runner = worker.runner
+    assert runner.graph_runner is not None
+    k = runner.k
+    expected = {GraphKey(b, k, v) for b in sizes for v in (GRAPH_GREEDY_VARIANT, ADVANCED)}
+    assert set(runner.graph_runner.graphs) == expected
+    assert len(runner.dummy_block_ids) * runner.block_size >= dummy_kv_tokens(k)
+    check_adp_dummy(_graph_worker(models, "mtp-eagle", adp=True))
+
+
+def test_cuda_graph_engine_equals_enforce_eager(models) -> None:
+    """End to end on CUDA: greedy and seeded-random generation with graphs give the eager
+    engine's tokens, and steps really replay."""
+    spec = spec_config("mtp-eagle", None)
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True),
+    ]
+    outs = {}
+    for eager in (True, False):
+        with LLM(
+            str(models["target"]),
+            device=DEVICE,
+            dtype="float32",
+            speculative_config=spec,
+            max_num_seqs=4,
+            enforce_eager=eager,
+        ) as llm:
+            graphs = llm.engine.executor.worker.runner.graph_runner
+            assert (graphs is None) == eager
+            outs[eager] = [_tokens(llm.generate(PROMPTS, p)) for p in params]
+            if graphs is not None:
+                assert graphs.num_replays > 0
+    assert outs[False] == outs[True]

@@ -150,6 +150,59 @@ class SpecDecoder:
         request_ids: list[str],
     ) -> Tensor:
         """Run the K draft steps; returns [B, K] draft tokens (target vocabulary)."""
+        new_drafts, q_all = self.draft_loop(
+            inp,
+            input_ids,
+            positions,
+            target_meta,
+            draft_hidden,
+            next_tokens,
+            layout,
+            num_accepted,
+            tokens,
+            st,
+            meta,
+        )
+        self.keep_q(request_ids, q_all)
+        return new_drafts
+
+    def keep_q(self, request_ids: list[str], q_all: Tensor | None) -> None:
+        """Store each request's draft probabilities [K, V] (advanced drafting), or drop stale
+        ones (argmax drafting stores none)."""
+        if q_all is None:
+            self.forget(request_ids)
+            return
+        for i, rid in enumerate(request_ids):
+            self.draft_q[rid] = q_all[i]
+
+    def draw_draft_noise(
+        self, batch_size: int, st: SamplingTensors, device: torch.device
+    ) -> Tensor:
+        """[K, B, V] Exp(1) noise for advanced drafting, drawn exactly as the K draft steps draw
+        it one by one (same generators, same order), so a loop fed this noise samples the same
+        drafts. A captured draft loop reads it from a static buffer."""
+        vocab = int(self.draft.config.vocab_size)
+        shape = (batch_size, vocab)
+        return torch.stack([_exponential(shape, st.generators, device) for _ in range(self.k)])
+
+    def draft_loop(
+        self,
+        inp: Any,
+        input_ids: Tensor,
+        positions: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        draft_noise: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The K draft steps as tensor work only (no host reads, no per-request state): returns
+        (drafts [B, K], q [B, K, V] when drafts were sampled, else None). ``draft_noise``:
+        [K, B, V] pre-drawn sampling noise (``draw_draft_noise``); None draws it step by step."""
         draft = self.draft
         # Step 0 runs on every row: each row's input token is the one after it. Rows are shifted
         # by one; each request's last row takes ``next_tokens`` (the next prompt token for a
@@ -181,7 +234,8 @@ class SpecDecoder:
                 return
             # Advanced sampling (and no LM-head TP): the replicated head, locally.
             logits = draft.compute_logits(layer, picked_hidden).float()
-            token, q = self._draft_token(logits, st, advanced)
+            noise = None if draft_noise is None else draft_noise[len(drafts)]
+            token, q = self._draft_token(logits, st, advanced, noise)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
@@ -214,13 +268,8 @@ class SpecDecoder:
                 hidden = draft(0, pos, drafts[-1], hidden, row_meta)
                 emit(0, hidden)
         new_drafts = torch.stack(drafts, dim=1)
-        if advanced:
-            q_all = torch.stack(qs, dim=1)  # [B, K, V]
-            for i, rid in enumerate(request_ids):
-                self.draft_q[rid] = q_all[i]
-        else:
-            self.forget(request_ids)
-        return new_drafts
+        q_all = torch.stack(qs, dim=1) if advanced else None  # [B, K, V]
+        return new_drafts, q_all
 
     def _propose_vanilla(
         self,
@@ -260,14 +309,15 @@ class SpecDecoder:
                 emit(k, hidden[gather_ids])
 
     def _draft_token(
-        self, logits: Tensor, st: SamplingTensors, advanced: bool
+        self, logits: Tensor, st: SamplingTensors, advanced: bool, noise: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None]:
-        """Argmax, or a sample from q when rejection sampling will need q."""
+        """Argmax, or a sample from q when rejection sampling will need q (``noise``: [B, V]
+        pre-drawn Exp(1) noise; None draws it here)."""
         if not advanced:
             return self.draft.to_target_ids(logits.argmax(-1)), None
         full = self._to_target_vocab(logits)
         q = probs_for_rows(full, st)
-        return _sample_rows(q, st.generators), q
+        return _sample_rows(q, st.generators, noise), q
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """Scatter draft-vocabulary logits to target positions ``arange(draft_V) + d2t``."""
@@ -352,6 +402,9 @@ def _uniform(b: int, k: int, gens: list[torch.Generator | None], device: torch.d
     return u
 
 
-def _sample_rows(probs: Tensor, gens: list[torch.Generator | None]) -> Tensor:
-    noise = _exponential(tuple(probs.shape), gens, probs.device)
+def _sample_rows(
+    probs: Tensor, gens: list[torch.Generator | None], noise: Tensor | None = None
+) -> Tensor:
+    if noise is None:
+        noise = _exponential(tuple(probs.shape), gens, probs.device)
     return (probs / noise).argmax(-1)

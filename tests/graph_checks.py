@@ -1,0 +1,182 @@
+"""Replay-versus-eager checks of the graph runner, shared by the CPU tests (static buffers, no
+graph) and the GPU tests (real CUDA graphs).
+
+A check prefills a few requests eagerly, then runs one generation step (one token plus K drafts
+per request) twice on the same rank: eagerly and through the captured key, from the same RNG
+state and the same stored draft probabilities. Both write the same KV slots with the same
+values, so the two runs see the same cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import EngineArgs, SamplingParams
+from engine.cuda_graph import GraphKey
+from engine.model_runner import DPStepInput, RequestStep, StepInput, StepOutput
+from engine.worker import Worker
+from models.parallel import ParallelMapping
+
+PROMPTS = [[5, 6, 7], list(range(40, 61)), [100, 101], list(range(120, 131))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)
+# Random rows with every sampling stage, a greedy row and a seeded row in one batch.
+MIXED = [
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=64, logprobs=2),
+    SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=3, max_tokens=64),
+    SamplingParams(temperature=0.7, max_tokens=64),
+]
+
+
+def spec_config(method: str, draft: Path | None) -> dict[str, Any] | None:
+    if method == "none":
+        return None
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    if method == "mtp-vanilla":
+        return {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": 2}
+    return {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def make_worker(
+    target: Path,
+    spec: dict[str, Any] | None,
+    device: str,
+    batch_sizes: tuple[int, ...] = (1, 2, 4),
+    adp: bool = False,
+) -> Worker:
+    args = EngineArgs(
+        model=str(target),
+        device=device,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=max(batch_sizes),
+        num_kv_blocks=40,
+        speculative_config=spec,
+        cuda_graph_batch_sizes=batch_sizes,
+    )
+    mapping = ParallelMapping(enable_attention_dp=adp)
+    return Worker(args.create_engine_config(), mapping=mapping)
+
+
+def _blocks(i: int, worker: Worker) -> list[int]:
+    per = -(-(64 + 2 * worker.runner.k) // worker.runner.block_size)
+    return list(range(i * per, (i + 1) * per))
+
+
+def generation_step(worker: Worker, params: list[SamplingParams]) -> StepInput:
+    """Prefill ``len(params)`` requests eagerly, then their first generation step (the last
+    sampled token plus the K drafts the prefill proposed)."""
+    runner = worker.runner
+    ids = [f"g{i}" for i in range(len(params))]
+    prefill = StepInput(
+        [
+            RequestStep(rid, PROMPTS[i], 0, _blocks(i, worker), True, params[i])
+            for i, rid in enumerate(ids)
+        ]
+    )
+    out = runner.execute(prefill)
+    steps = []
+    for i, rid in enumerate(ids):
+        drafts = out.draft_token_ids[i] if runner.k else []
+        steps.append(
+            RequestStep(
+                rid,
+                [out.token_ids[i][-1], *drafts],
+                len(PROMPTS[i]),
+                _blocks(i, worker),
+                True,
+                params[i],
+                num_drafts=len(drafts),
+            )
+        )
+    return StepInput(steps)
+
+
+def _reset(worker: Worker, step: StepInput, q: dict[str, torch.Tensor]) -> None:
+    """The same random state for both runs: RNG, per-request generators, stored q."""
+    runner = worker.runner
+    torch.manual_seed(1234)
+    runner.generators.clear()
+    if runner.spec is not None:
+        runner.spec.forget([r.request_id for r in step.requests])
+        runner.spec.draft_q.update({k: v.clone() for k, v in q.items()})
+
+
+def replay_and_eager(
+    worker: Worker, step: StepInput, adp: bool = False
+) -> tuple[StepOutput, StepOutput, GraphKey, dict[str, Any]]:
+    """(eager output, replayed output, the key, stored q after each run) of the padded step;
+    ``adp``: with the per-rank counts attention DP passes (one rank)."""
+    runner, graphs = worker.runner, worker.runner.graph_runner
+    assert graphs is not None
+    spec = runner.spec
+    q0 = {} if spec is None else {k: v.clone() for k, v in spec.draft_q.items()}
+    _, plan = runner.plan_graph(step.requests)  # sampling path, then the key
+    assert plan.key is not None, "a generation-only step within the buckets must graph"
+    padded = runner.pad_generation(step, plan.num_padding)
+    ids = [r.request_id for r in padded.requests]
+    counts = None
+    if adp:
+        counts = ([sum(len(r.token_ids) for r in padded.requests)], [len(padded.requests)])
+    _reset(worker, padded, q0)
+    eager = runner.execute(padded, counts, scanned=True)
+    q_eager = {} if spec is None else {r: spec.draft_q[r].clone() for r in ids if r in spec.draft_q}
+    runner.plan_graph(step.requests)  # the replay's own scan, as a step would do
+    _reset(worker, padded, q0)
+    before = graphs.num_replays
+    graphed = runner.execute(padded, counts, scanned=True, key=plan.key)
+    assert graphs.num_replays == before + 1, "the step ran eagerly instead of replaying"
+    q_graph = {} if spec is None else {r: spec.draft_q[r].clone() for r in ids if r in spec.draft_q}
+    return eager, graphed, plan.key, {"eager": q_eager, "graph": q_graph}
+
+
+def assert_same(eager: StepOutput, graphed: StepOutput, atol: float = 1e-5) -> None:
+    assert graphed.request_ids == eager.request_ids
+    assert graphed.token_ids == eager.token_ids
+    assert graphed.num_drafts == eager.num_drafts
+    assert graphed.draft_token_ids == eager.draft_token_ids
+    for a, b in zip(eager.logprobs, graphed.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        for x, y in zip(a or [], b or [], strict=True):
+            assert x.token_id == y.token_id and x.top_token_ids == y.top_token_ids
+            assert abs(x.logprob - y.logprob) <= atol, (x, y)
+
+
+def check_variant(worker: Worker, params: list[SamplingParams], expected_variant: str) -> None:
+    """Every live batch size of the buckets (1, 2, 3 → 4 with a padding row): replay equals
+    eager on every row, q included; under greedy the live rows also equal an unpadded eager
+    run (padding rows do not leak into live rows)."""
+    for n in (1, 2, 3):
+        step = generation_step(worker, params[:n])
+        eager, graphed, key, q = replay_and_eager(worker, step)
+        assert key.variant == expected_variant and key.draft_len == worker.runner.k
+        assert key.batch_size == {1: 1, 2: 2, 3: 4}[n]
+        assert len(graphed.request_ids) == key.batch_size  # padding rows ran too
+        assert_same(eager, graphed)
+        assert q["eager"].keys() == q["graph"].keys()
+        for rid, qe in q["eager"].items():
+            torch.testing.assert_close(q["graph"][rid], qe, atol=1e-5, rtol=1e-5)
+        if all(p.temperature == 0 for p in params[:n]):
+            _reset(worker, step, {})
+            alone = worker.runner.execute(step)
+            assert graphed.token_ids[:n] == alone.token_ids
+            assert graphed.draft_token_ids[:n] == alone.draft_token_ids
+
+
+def check_adp_dummy(worker: Worker) -> None:
+    """Attention DP on one rank: a batch holding the idle-rank dummy replays with the counts
+    baked into the graph, and the dummy never reaches the output."""
+    runner = worker.runner
+    step = generation_step(worker, [GREEDY])
+    padded_live = StepInput([*step.requests, runner.dummy_step(-1)])
+    eager, graphed, key, _ = replay_and_eager(worker, padded_live, adp=True)
+    assert key.batch_size == 2
+    assert_same(eager, graphed)
+    out = runner.execute_dp(DPStepInput([step]))
+    assert out.request_ids == ["g0"]
+    assert out.rank_paths and out.rank_paths[0][1] is not None
+    assert out.token_ids == graphed.token_ids[:1]
