@@ -39,8 +39,9 @@ format: setup
 serve: setup
 	$(BIN)/tandem serve $(MODEL) $(ARGS)
 
+# Tandem (no speculation, Eagle3, MTP) against transformers generate; ARGS e.g. --quick.
 bench: setup
-	$(BIN)/python benchmarks/offline_throughput.py
+	$(BIN)/tandem bench compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

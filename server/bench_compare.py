@@ -1,0 +1,543 @@
+"""``tandem bench compare``: one model, one prompt set, one machine, one run — tokens/s of
+
+  - transformers ``generate`` (greedy; batched with left padding at concurrency > 1),
+  - transformers ``generate`` with an ``assistant_model`` (only when ``--assistant-model`` names a
+    small model with the same tokenizer; transformers' assisted generation is batch 1 only),
+  - Tandem's offline engine without speculation, with an Eagle3 head and with MTP,
+
+at batch 1 (decode only: tokens after the first / time after the first) and aggregate at each
+``--concurrency`` (that many requests in flight, prefill included). Ratios are printed against
+transformers and against Tandem without speculation, with the machine's measured memory
+bandwidth and the batch-1 roofline: bandwidth / bytes one decode step reads (every weight a step
+reads — the tied embedding / LM head once, an untied input embedding not at all, since a step
+reads one row of it — plus the KV cache at the mean context length).
+
+    tandem bench compare                          # the built-in model and its shipped heads
+    tandem bench compare --model PATH --eagle3 HEAD --mtp HEAD --dtype bfloat16
+    tandem bench compare --quick                  # small numbers, to see that everything runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from server.bench_serve import EVAL_PROMPTS, BenchError, int_list, read_jsonl_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED_HEADS = REPO / "models" / "heads"
+BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
+BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"
+NONE = "none"  # --eagle3 none / --mtp none: skip that row
+BATCH1_PROMPTS = 4  # prompts timed one at a time for the batch-1 column
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="PATH", help="default: the built-in model")
+    p.add_argument(
+        "--eagle3",
+        default=None,
+        metavar="PATH",
+        help=f"Eagle3 head (default for the built-in model: {BUILTIN_EAGLE3.relative_to(REPO)} "
+        f"when present; '{NONE}' skips the row)",
+    )
+    p.add_argument(
+        "--mtp",
+        default=None,
+        metavar="PATH",
+        help=f"MTP head (default: the model's own MTP layers, or for the built-in model "
+        f"{BUILTIN_MTP.relative_to(REPO)} when present; '{NONE}' skips the row)",
+    )
+    p.add_argument(
+        "--assistant-model",
+        default=None,
+        metavar="PATH",
+        help="a small model with the same tokenizer for transformers' assisted generation",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32])
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny numbers (tests, a smoke run)")
+    p.add_argument(
+        "--result-file", default=None, help="JSON (default: bench_results/compare-DATE.json)"
+    )
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def measure_memory_bandwidth(
+    size_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu"
+) -> dict[str, float]:
+    """Best-of-``repeats`` bytes/s of a copy (read + write counted) and a sum (read) over a
+    buffer much larger than the caches; ``bandwidth`` is the larger of the two."""
+    import torch
+
+    dev = torch.device(device)
+    n = max(1, size_bytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()  # first touch / warm-up
+        times = []
+        for _ in range(max(1, repeats)):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(src))
+    sum_s = best(lambda: src.sum())
+    nbytes = n * 4
+    out = {"copy": 2 * nbytes / copy_s, "sum": nbytes / sum_s, "buffer_bytes": float(nbytes)}
+    out["bandwidth"] = max(out["copy"], out["sum"])
+    return out
+
+
+def weight_bytes_per_step(config: Any, dtype_bytes: int) -> int:
+    """Bytes of the weights one decode step reads: every parameter once (tied embedding and LM
+    head are one tensor), less an untied input embedding (a step reads one row of it)."""
+    import torch
+    import transformers as tf
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # shared tensors are listed once
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight is not embed:
+        total -= embed.numel()
+    return int(total) * dtype_bytes
+
+
+def kv_bytes_per_step(config: Any, dtype_bytes: int, context_len: float) -> int:
+    """K and V of every layer over ``context_len`` positions (what attention reads at batch 1)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return int(2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * context_len)
+
+
+def roofline_tokens_per_s(bandwidth: float, bytes_per_step: float) -> float:
+    """Upper bound on batch-1 decode tokens/s when a step must stream ``bytes_per_step``."""
+    if bandwidth <= 0 or bytes_per_step <= 0:
+        raise ValueError("bandwidth and bytes per step must be positive")
+    return bandwidth / bytes_per_step
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass
+class Row:
+    name: str
+    batch1: float | None = None  # decode tokens/s of one request alone
+    by_concurrency: dict[int, float | None] = field(default_factory=dict)
+    tokens_per_step: float | None = None
+    note: str = ""
+
+
+def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def run_tandem(
+    model: str,
+    prompts: list[list[int]],
+    cfg: BenchConfig,
+    spec: dict[str, Any] | None,
+    name: str,
+) -> Row:
+    """Tandem's offline engine, driven step by step (requests kept in flight by hand)."""
+    from engine.config import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            max_num_seqs=max(cfg.concurrency),
+            enable_prefix_caching=False,  # every run prefills like the first
+            speculative_config=spec,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    counter = iter(range(1 << 30))
+    row = Row(name)
+    try:
+        engine.add_request("warm-up", prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+        while engine.has_unfinished_requests():
+            engine.step()
+        before = engine.get_stats()
+
+        decode_tokens, decode_s = 0, 0.0
+        for ids in prompts[: cfg.batch1_prompts]:
+            engine.add_request(f"b1-{next(counter)}", ids, params)
+            first = last = None
+            n = 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    now = time.perf_counter()
+                    if first is None and out.outputs[0].token_ids:
+                        first = now
+                    n, last = len(out.outputs[0].token_ids), now
+            decode_tokens += n - 1
+            decode_s += last - first if first is not None and last is not None else 0.0
+        row.batch1 = decode_tokens / decode_s if decode_s > 0 else None
+
+        for conc in cfg.concurrency:
+            queue = _cycle(prompts, max(len(prompts), conc))
+            in_flight: set[str] = set()
+            tokens = 0
+            start = time.perf_counter()
+            while queue or in_flight:
+                while queue and len(in_flight) < conc:
+                    rid = f"c{conc}-{next(counter)}"
+                    engine.add_request(rid, queue.pop(0), params)
+                    in_flight.add(rid)
+                for out in engine.step():
+                    if out.finished:
+                        in_flight.discard(out.request_id)
+                        tokens += len(out.outputs[0].token_ids)
+            row.by_concurrency[conc] = tokens / (time.perf_counter() - start)
+        after = engine.get_stats()
+        if spec is not None:
+            drafts = after.spec_num_drafts - before.spec_num_drafts
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            row.tokens_per_step = 1 + accepted / drafts if drafts else None
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+    return row
+
+
+class _StepTimes:
+    """A ``generate`` streamer that timestamps every put (the prompt first, then new tokens)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, int]] = []
+
+    def put(self, value: Any) -> None:
+        self.events.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+    def decode(self) -> tuple[int, float]:
+        """(tokens after the first, seconds after the first) of one generate call."""
+        new = self.events[1:]  # events[0] is the prompt
+        if len(new) < 2:
+            return 0, 0.0
+        return sum(n for _, n in new[1:]), new[-1][0] - new[0][0]
+
+
+def run_transformers(
+    model_path: str,
+    prompts: list[list[int]],
+    cfg: BenchConfig,
+    assistant: str | None = None,
+) -> Row:
+    """transformers ``generate``, greedy, ``max_tokens`` new tokens each (EOS ignored)."""
+    import torch
+    import transformers as tf
+
+    dtype = getattr(torch, cfg.dtype)
+    dev = torch.device(cfg.device)
+    model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev).eval()
+    helper = None
+    if assistant is not None:
+        helper = tf.AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype).to(dev).eval()
+        helper.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
+    pad = model.generation_config.pad_token_id
+    pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+    kw: dict[str, Any] = dict(
+        do_sample=False,
+        max_new_tokens=cfg.max_tokens,
+        min_new_tokens=cfg.max_tokens,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    if helper is not None:
+        kw["assistant_model"] = helper
+    row = Row("transformers generate" + (" + assistant" if helper is not None else ""))
+
+    def generate(batch: list[list[int]], streamer: Any = None) -> int:
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(ids.to(dev), attention_mask=mask.to(dev), streamer=streamer, **kw)
+        return int(out.shape[0] * (out.shape[1] - width))
+
+    generate(prompts[:1])  # warm-up
+    decode_tokens, decode_s = 0, 0.0
+    for p in prompts[: cfg.batch1_prompts]:
+        timer = _StepTimes()
+        generate([p], timer)
+        n, s = timer.decode()
+        decode_tokens, decode_s = decode_tokens + n, decode_s + s
+    row.batch1 = decode_tokens / decode_s if decode_s > 0 else None
+    for conc in cfg.concurrency:
+        if helper is not None and conc > 1:
+            row.by_concurrency[conc] = None
+            row.note = "assisted generation runs one request at a time"
+            continue
+        queue = _cycle(prompts, max(len(prompts), conc))
+        tokens = 0
+        start = time.perf_counter()
+        for i in range(0, len(queue), conc):
+            tokens += generate(queue[i : i + conc])
+        row.by_concurrency[conc] = tokens / (time.perf_counter() - start)
+    return row
+
+
+# ----------------------------------------------------------------------------- main
+
+
+@dataclass
+class BenchConfig:
+    dtype: str
+    device: str
+    max_tokens: int
+    concurrency: list[int]
+    batch1_prompts: int
+
+
+def _load_prompts(path: str | None, model: str, num: int) -> list[list[int]]:
+    """The prompts as chat (the model's template) token ids, ``num`` of them (cycled)."""
+    from transformers import AutoTokenizer
+
+    texts = [p for p, _ in read_jsonl_prompts(path or EVAL_PROMPTS)]
+    tok = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+    out = []
+    for text in _cycle(texts, num):  # type: ignore[arg-type]
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tok.encode(text)
+        out.append([int(i) for i in ids])
+    return out
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    from transformers import AutoTokenizer
+
+    ta = AutoTokenizer.from_pretrained(a, trust_remote_code=False)
+    tb = AutoTokenizer.from_pretrained(b, trust_remote_code=False)
+    return ta.get_vocab() == tb.get_vocab()
+
+
+def _spec_choice(
+    given: str | None, default: Path | None, method: str, k: int
+) -> tuple[dict[str, Any] | None, str]:
+    """(speculative config or None, why not)."""
+    if given == NONE:
+        return None, f"skipped (--{method} {NONE})"
+    if given is not None:
+        if not Path(given).is_dir():
+            raise BenchError(f"--{method} {given!r} is not a folder")
+        return {"method": method, "model": given, "num_speculative_tokens": k}, ""
+    if default is not None and default.is_dir():
+        return {"method": method, "model": str(default), "num_speculative_tokens": k}, ""
+    where = f"no head at {default.relative_to(REPO)}" if default is not None else "no head given"
+    return None, f"{where}; pass --{method} PATH"
+
+
+def format_table(rows: list[Row], concurrency: list[int], baseline: dict[str, Row | None]) -> str:
+    cols = ["batch 1", *[f"c={c}" for c in concurrency]]
+    name_w = max(28, *(len(r.name) + 2 for r in rows))
+
+    def values(r: Row) -> list[float | None]:
+        return [r.batch1, *[r.by_concurrency.get(c) for c in concurrency]]
+
+    def line(label: str, cells: list[str], tail: str = "") -> str:
+        return f"{label:<{name_w}}" + "".join(f"{c:>10}" for c in cells) + tail
+
+    out = [line("tokens/s", cols, f"{'tok/step':>10}")]
+    for r in rows:
+        cells = ["n/a" if v is None else f"{v:.1f}" for v in values(r)]
+        tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "-"
+        out.append(line(r.name, cells, f"{tps:>10}" + (f"   {r.note}" if r.note else "")))
+    for title, base in baseline.items():
+        out.append("")
+        if base is None or all(v is None for v in values(base)):
+            out.append(f"{title}: n/a (no baseline numbers)")
+            continue
+        out.append(line(title, cols))
+        for r in rows:
+            cells = [
+                "n/a" if v is None or b is None or b <= 0 else f"{v / b:.2f}x"
+                for v, b in zip(values(r), values(base), strict=True)
+            ]
+            out.append(line(r.name, cells))
+    return "\n".join(out)
+
+
+def main(ns: argparse.Namespace) -> int:
+    """``tandem bench compare``; returns the exit status (2 for a usage error)."""
+    try:
+        return _main(ns)
+    except BenchError as e:
+        print(f"tandem bench compare: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(ns: argparse.Namespace) -> int:
+    import torch
+
+    if ns.quick:
+        ns.num_prompts, ns.max_tokens = min(ns.num_prompts, 2), min(ns.max_tokens, 8)
+        ns.concurrency = [c for c in ns.concurrency if c <= 2] or [1]
+        if 2 not in ns.concurrency:
+            ns.concurrency.append(2)
+    if ns.num_prompts < 1 or ns.max_tokens < 2:
+        raise BenchError("--num-prompts must be >= 1 and --max-tokens >= 2")
+    builtin = ns.model is None
+    if builtin:
+        from models.builtin import builtin_model_path
+
+        try:
+            model = builtin_model_path()
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    else:
+        model = ns.model
+        if not Path(model).is_dir():
+            raise BenchError(f"--model {model!r} is not a model folder")
+    from models.loader import load_hf_config
+
+    config = load_hf_config(model)
+    k = ns.num_speculative_tokens
+    eagle3, eagle3_why = _spec_choice(ns.eagle3, BUILTIN_EAGLE3 if builtin else None, "eagle3", k)
+    own_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0) > 0
+    if ns.mtp is None and own_mtp:
+        mtp, mtp_why = {"method": "mtp", "num_speculative_tokens": k}, ""
+    else:
+        mtp, mtp_why = _spec_choice(ns.mtp, BUILTIN_MTP if builtin else None, "mtp", k)
+    assistant_why = ""
+    if ns.assistant_model is None:
+        assistant_why = "no --assistant-model (a smaller model with the same tokenizer) given"
+    elif not Path(ns.assistant_model).is_dir():
+        raise BenchError(f"--assistant-model {ns.assistant_model!r} is not a folder")
+    elif not _same_tokenizer(model, ns.assistant_model):
+        assistant_why = "the assistant's tokenizer differs from the model's"
+
+    prompts = _load_prompts(ns.prompts, model, ns.num_prompts)
+    cfg = BenchConfig(
+        dtype=ns.dtype,
+        device=ns.device,
+        max_tokens=ns.max_tokens,
+        concurrency=ns.concurrency,
+        batch1_prompts=min(len(prompts), 1 if ns.quick else BATCH1_PROMPTS),
+    )
+    print(
+        f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts "
+        f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), {ns.max_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
+    rows: list[Row] = []
+    na = {c: None for c in cfg.concurrency}
+    if ns.skip_transformers:
+        rows.append(Row("transformers generate", by_concurrency=dict(na), note="skipped"))
+    else:
+        print("running transformers generate ...", flush=True)
+        rows.append(run_transformers(model, prompts, cfg))
+    if ns.skip_transformers or assistant_why:
+        why = "skipped" if ns.skip_transformers else assistant_why
+        rows.append(Row("transformers generate + assistant", by_concurrency=dict(na), note=why))
+    else:
+        print("running transformers generate with the assistant ...", flush=True)
+        rows.append(run_transformers(model, prompts, cfg, ns.assistant_model))
+    print("running tandem ...", flush=True)
+    rows.append(run_tandem(model, prompts, cfg, None, "tandem"))
+    for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
+        name = f"tandem + {method} (K={k})"
+        if spec is None:
+            rows.append(Row(name, by_concurrency=dict(na), note=why))
+            continue
+        print(f"running {name} ...", flush=True)
+        rows.append(run_tandem(model, prompts, cfg, spec, name))
+
+    size = (64 << 20) if ns.quick else (1 << 30)
+    bw = measure_memory_bandwidth(size, 2 if ns.quick else 5, ns.device)
+    dtype_bytes = 2 if ns.dtype == "bfloat16" else 4
+    context = sum(map(len, prompts[: cfg.batch1_prompts])) / cfg.batch1_prompts + ns.max_tokens / 2
+    weights = weight_bytes_per_step(config, dtype_bytes)
+    kv = kv_bytes_per_step(config, dtype_bytes, context)
+    roof = roofline_tokens_per_s(bw["bandwidth"], weights + kv)
+    ours = rows[2].batch1
+
+    print()
+    print(format_table(rows, cfg.concurrency, {"vs transformers": rows[0], "vs tandem": rows[2]}))
+    print()
+    print(
+        f"memory bandwidth: {bw['bandwidth'] / 2**30:.1f} GiB/s (best of copy "
+        f"{bw['copy'] / 2**30:.1f}, sum {bw['sum'] / 2**30:.1f}; {bw['buffer_bytes'] / 2**20:.0f} MiB)"
+    )
+    print(
+        f"bytes per decode step: weights {weights / 2**20:.1f} MiB + KV {kv / 2**20:.2f} MiB "
+        f"(context {context:.0f}) -> batch-1 roofline {roof:.1f} tokens/s"
+    )
+    frac = f"{ours / roof:.0%}" if ours else "n/a"
+    print(f"tandem batch 1: {ours or 0:.1f} tokens/s = {frac} of the roofline")
+
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": model,
+        "dtype": ns.dtype,
+        "device": ns.device,
+        "threads": torch.get_num_threads(),
+        "num_prompts": len(prompts),
+        "max_tokens": ns.max_tokens,
+        "concurrency": cfg.concurrency,
+        "rows": [
+            {
+                "name": r.name,
+                "batch1": r.batch1,
+                "concurrency": {str(c): v for c, v in r.by_concurrency.items()},
+                "tokens_per_step": r.tokens_per_step,
+                "note": r.note,
+            }
+            for r in rows
+        ],
+        "memory_bandwidth": bw,
+        "bytes_per_step": {"weights": weights, "kv": kv, "context_len": context},
+        "roofline_tokens_per_s": roof,
+        "roofline_fraction": ours / roof if ours else None,
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(ns.result_file or f"bench_results/compare-{stamp}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {path}")
+    return 0

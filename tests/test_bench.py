@@ -1,0 +1,276 @@
+"""`tandem bench serve`, `tandem bench compare` and benchmarks/gpu_bench.py on tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoints import build_eagle3_draft
+from server.bench_compare import (
+    kv_bytes_per_step,
+    measure_memory_bandwidth,
+    roofline_tokens_per_s,
+    weight_bytes_per_step,
+)
+from server.bench_serve import (
+    arrival_delays,
+    format_block,
+    parse_metrics,
+    speculative_stats,
+    summarize,
+)
+from server.cli import main
+from server_utils import REPO, RemoteServer, tiny_model, tiny_mtp_model
+
+BLOCK_LABELS = (
+    "Successful requests:",
+    "Failed requests:",
+    "Maximum request concurrency:",
+    "Benchmark duration (s):",
+    "Total input tokens:",
+    "Total generated tokens:",
+    "Request throughput (req/s):",
+    "Output token throughput (tok/s):",
+    *(f"{s} {m} (ms):" for m in ("TTFT", "TPOT", "ITL") for s in ("Mean", "Median", "P99")),
+    "Speculative Decoding",
+)
+SPEC_LABELS = (
+    "Tokens per step:",
+    "Draft acceptance rate (%):",
+    "Per-position acceptance (%):",
+)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for every HTTP test (a start costs seconds): the tiny model with MTP."""
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": K})
+    args = ["--speculative-config", spec, "--max-num-seqs", "8"]
+    with RemoteServer(tiny_mtp_model(tmp_path_factory), args) as s:
+        yield s
+
+
+def _bench(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["bench", "serve", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _check_run(run: dict, num: int, in_len: int | None, out_len: int) -> None:
+    assert run["completed"] == num and run["failed"] == 0
+    assert run["total_output_tokens"] == sum(run["output_lens"]) == num * out_len
+    if in_len is not None:
+        assert run["total_input_tokens"] == sum(run["input_lens"]) == num * in_len
+    assert all(0 < t <= lat for t, lat in zip(run["ttfts"], run["latencies"], strict=True))
+    assert run["duration"] >= max(run["latencies"])
+    assert run["output_throughput"] == pytest.approx(run["total_output_tokens"] / run["duration"])
+    assert run["request_throughput"] == pytest.approx(num / run["duration"])
+    # TPOT = (latency - TTFT) / (output tokens - 1), per request, then averaged.
+    tpots = [
+        (lat - t) / (n - 1)
+        for t, lat, n in zip(run["ttfts"], run["latencies"], run["output_lens"], strict=True)
+    ]
+    assert run["mean_tpot_ms"] == pytest.approx(1000 * sum(tpots) / len(tpots))
+    assert run["median_ttft_ms"] <= run["p99_ttft_ms"]
+
+
+def test_serve_random_prints_block_writes_json_and_plot(server, tmp_path, capsys):
+    result, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc, out, err = _bench(
+        capsys, "--base-url", server.base_url, "--dataset", "random",
+        "--random-input-len", "12", "--random-output-len", "5", "--num-prompts", "6",
+        "--max-concurrency", "1,3", "--ignore-eos", "--result-file", str(result),
+        "--plot", str(png),
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "random prompts: 12 token ids" in out  # the served model's tokenizer was found
+    for label in (*BLOCK_LABELS, *SPEC_LABELS):
+        assert out.count(label) == 2, label  # one block per concurrency
+    data = json.loads(result.read_text())
+    assert [r["max_concurrency"] for r in data["runs"]] == [1, 3]
+    for run in data["runs"]:
+        _check_run(run, 6, 12, 5)
+        assert run["speculative"]["num_drafts"] > 0  # each run's own /metrics difference
+    # Concurrency 1: requests run one after another.
+    lat = data["runs"][0]["latencies"]
+    assert data["runs"][0]["duration"] >= sum(lat) * 0.99
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_eval_chat_with_poisson_arrivals(server, tmp_path, capsys):
+    result = tmp_path / "r.json"
+    rc, out, err = _bench(
+        capsys, "--base-url", server.base_url, "--dataset", "eval", "--num-prompts", "4",
+        "--max-tokens", "4", "--ignore-eos", "--request-rate", "40", "--seed", "3",
+        "--result-file", str(result),
+    )  # fmt: skip
+    assert rc == 0, err
+    data = json.loads(result.read_text())
+    assert data["endpoint"] == "chat" and data["request_rate"] == 40
+    (run,) = data["runs"]
+    _check_run(run, 4, None, 4)
+    assert "Request rate (req/s):                   40.00" in out
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    gaps = arrival_delays(4000, 20.0, seed=1)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.06)
+    # Exponential gaps: the standard deviation equals the mean.
+    mean = sum(gaps) / len(gaps)
+    std = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert std == pytest.approx(mean, rel=0.1)
+    assert arrival_delays(3, float("inf"), seed=1) == [0.0, 0.0, 0.0]
+
+
+def test_serve_speculative_section(server, tmp_path, capsys):
+    result = tmp_path / "r.json"
+    rc, out, err = _bench(
+        capsys, "--base-url", server.base_url, "--random-input-len", "8",
+        "--random-output-len", "16", "--num-prompts", "4", "--max-concurrency", "2",
+        "--ignore-eos", "--result-file", str(result),
+    )  # fmt: skip
+    assert rc == 0, err
+    for label in (*BLOCK_LABELS, *SPEC_LABELS):
+        assert label in out, label
+    (run,) = json.loads(result.read_text())["runs"]
+    _check_run(run, 4, 8, 16)
+    spec = run["speculative"]
+    assert spec is not None and spec["num_drafts"] > 0
+    assert spec["num_drafts"] <= spec["num_draft_tokens"] <= K * spec["num_drafts"]
+    assert 1.0 <= spec["tokens_per_step"] <= K + 1
+    assert spec["tokens_per_step"] == pytest.approx(
+        1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    )
+    assert 0.0 <= spec["draft_acceptance_rate"] <= 1.0
+    per_pos = spec["per_position_acceptance"]
+    assert len(per_pos) == K and all(0.0 <= a <= 1.0 for a in per_pos)
+    # Greedy acceptance stops at the first miss: a later position never beats an earlier one.
+    assert per_pos == sorted(per_pos, reverse=True)
+    # Sum over positions of accepted / drafts = accepted per step.
+    assert sum(per_pos) == pytest.approx(spec["tokens_per_step"] - 1)
+
+
+def test_speculative_section_without_drafts():
+    scrape = (
+        "# TYPE tandem:spec_decode_num_drafts counter\n"
+        'tandem:spec_decode_num_drafts_total{model_name="m"} 7.0\n'
+    )
+    before = after = parse_metrics(scrape)
+    assert speculative_stats(before, after) is None  # drafts did not move during the run
+    summary = summarize([], 1.0, None, float("inf"), None)
+    assert "no drafts in /metrics during the run" in format_block(summary)
+
+
+def test_serve_bad_dataset_path_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    rc, _, err = _bench(
+        capsys, "--base-url", "http://127.0.0.1:9", "--dataset", "jsonl",
+        "--dataset-path", str(missing),
+    )  # fmt: skip
+    assert rc == 2
+    assert f"dataset file {str(missing)!r} does not exist" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"text": "no prompt"}\n')
+    rc, _, err = _bench(
+        capsys, "--base-url", "http://127.0.0.1:9", "--dataset", "jsonl",
+        "--dataset-path", str(bad),
+    )  # fmt: skip
+    assert rc == 2 and "line 2" in err
+    rc, _, err = _bench(capsys, "--dataset", "random")
+    assert rc == 2 and "--base-url" in err
+
+
+def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, capsys):
+    target = tiny_mtp_model(tmp_path_factory)
+    eagle3 = build_eagle3_draft(tmp_path / "eagle3", target)
+    result = tmp_path / "c.json"
+    rc = main(
+        [
+            "bench", "compare", "--quick", "--model", str(target), "--eagle3", str(eagle3),
+            "--assistant-model", str(tiny_model(tmp_path_factory)),
+            "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = (
+        "transformers generate",
+        "transformers generate + assistant",
+        "tandem",
+        f"tandem + eagle3 (K={K})",
+        f"tandem + mtp (K={K})",
+    )
+    header = next(line for line in out.splitlines() if line.startswith("tokens/s"))
+    assert header.split()[1:] == ["batch", "1", "c=1", "c=2", "tok/step"]
+    for name in rows:
+        # One line in the tokens/s table, one in each ratio table.
+        assert sum(line.startswith(name + " ") for line in out.splitlines()) >= 3, name
+    assert "vs transformers" in out and "vs tandem" in out
+    assert "memory bandwidth:" in out and "roofline" in out
+    data = json.loads(result.read_text())
+    by_name = {r["name"]: r for r in data["rows"]}
+    assert set(by_name) == set(rows)
+    for name in ("transformers generate", "tandem", f"tandem + mtp (K={K})"):
+        r = by_name[name]
+        assert r["batch1"] > 0 and all(v > 0 for v in r["concurrency"].values()), name
+    # Assisted generation is batch 1 only: c=2 is n/a with the reason.
+    assistant = by_name["transformers generate + assistant"]
+    assert assistant["batch1"] > 0 and assistant["concurrency"]["2"] is None
+    assert "one request at a time" in assistant["note"]
+    for name in (f"tandem + eagle3 (K={K})", f"tandem + mtp (K={K})"):
+        assert 1.0 <= by_name[name]["tokens_per_step"] <= K + 1
+    assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
+
+
+def test_compare_names_why_a_row_is_missing(tmp_path_factory, tmp_path, capsys):
+    rc = main(
+        [
+            "bench", "compare", "--quick", "--model", str(tiny_model(tmp_path_factory)),
+            "--skip-transformers", "--concurrency", "1", "--result-file",
+            str(tmp_path / "c.json"),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "no head given; pass --eagle3 PATH" in out
+    assert "no head given; pass --mtp PATH" in out
+    assert "vs transformers: n/a" in out
+
+
+def test_bandwidth_and_roofline(tmp_path_factory):
+    bw = measure_memory_bandwidth(16 << 20, repeats=2)
+    assert bw["bandwidth"] > 0 and bw["copy"] > 0 and bw["sum"] > 0
+    from transformers import AutoConfig
+
+    folder = tiny_model(tmp_path_factory)
+    config = AutoConfig.from_pretrained(folder)
+    from safetensors.torch import load_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    # Untied: the LM head is read, the input embedding only row by row.
+    expected = sum(t.numel() for n, t in state.items() if n != "model.embed_tokens.weight")
+    assert weight_bytes_per_step(config, 4) == 4 * expected
+    config.tie_word_embeddings = True
+    assert weight_bytes_per_step(config, 2) == 2 * expected  # the shared matrix counted once
+    kv = kv_bytes_per_step(config, 2, 100)
+    assert kv == 2 * config.num_hidden_layers * 2 * 16 * 2 * 100  # K+V, 2 KV heads of 16
+    assert roofline_tokens_per_s(bw["bandwidth"], expected * 4 + kv) > 0
+    with pytest.raises(ValueError):
+        roofline_tokens_per_s(0.0, 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_gpu_bench_help_and_no_cuda_message():
+    script = str(REPO / "benchmarks" / "gpu_bench.py")
+    r = subprocess.run(
+        [sys.executable, script, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "needs a CUDA device" in r.stderr
