@@ -130,8 +130,51 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="under attention DP, split the LM head's vocabulary across ranks for greedy drafts",
     )
-    par.add_argument("--speculative-config", default=None, help="JSON, e.g. '{\"method\": ...}'")
+    par.add_argument(
+        "--speculative-config",
+        default=None,
+        help="JSON, e.g. '{\"method\": ...}', or none; the built-in model defaults to its shipped "
+        "Eagle3 head (K = 3)",
+    )
+
+    graphs = s.add_argument_group("CUDA graphs")
+    graphs.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never capture CUDA graphs: every step runs eagerly",
+    )
+    graphs.add_argument(
+        "--cuda-graph-batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="padded batch sizes to capture, ascending (default 1 2 4 8 16 ... max-num-seqs)",
+    )
+    add_bench_parser(sub)
+    add_train_draft_parser(sub)
     return parser
+
+
+def add_bench_parser(sub: Any) -> None:
+    """``tandem bench serve`` (load a server over HTTP) and ``tandem bench compare`` (offline
+    engine against transformers and without speculation)."""
+    from server import bench_compare, bench_serve
+
+    b = sub.add_parser("bench", help="benchmark a server or the offline engine")
+    kinds = b.add_subparsers(dest="bench_command", required=True)
+    bench_serve.add_arguments(
+        kinds.add_parser("serve", help="load a running server, print latency and throughput")
+    )
+    bench_compare.add_arguments(
+        kinds.add_parser("compare", help="tokens/s of tandem (with speculation) and transformers")
+    )
+
+
+def add_train_draft_parser(sub: Any) -> None:
+    """``tandem train-draft``: train or evaluate an Eagle3 / MTP head (engine/training/)."""
+    from engine.training.cli import add_train_draft_parser as add
+
+    add(sub)
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -139,9 +182,11 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     from engine.config import EngineArgs
 
     spec = None
+    spec_off = False  # "none" / "null": no speculation, even for the built-in model
     if ns.speculative_config is not None:
+        spec_off = ns.speculative_config.strip().lower() in ("none", "null")
         try:
-            spec = json.loads(ns.speculative_config)
+            spec = None if spec_off else json.loads(ns.speculative_config)
         except ValueError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         if spec is not None and not isinstance(spec, dict):
@@ -154,6 +199,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         from models.builtin import builtin_model_path
 
         model = builtin_model_path()
+        if not spec_off:  # the shipped Eagle3 head (K = 3), or the shipped head of the method
+            from models.heads import builtin_speculative_config
+
+            spec = builtin_speculative_config(spec)
     return EngineArgs(
         model=model,
         tokenizer=ns.tokenizer,
@@ -174,6 +223,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         enable_attention_dp=ns.enable_attention_dp,
         enable_lm_head_tp_in_adp=ns.enable_lm_head_tp_in_adp,
         served_model_name=names[0] if names else None,
+        enforce_eager=ns.enforce_eager,
+        cuda_graph_batch_sizes=(
+            None if ns.cuda_graph_batch_sizes is None else tuple(ns.cuda_graph_batch_sizes)
+        ),
     )
 
 
@@ -290,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"tandem serve: error: {e}", file=sys.stderr)
             return 2
+    if ns.command == "bench":
+        from server import bench_compare, bench_serve
+
+        return (bench_serve if ns.bench_command == "serve" else bench_compare).main(ns)
+    if ns.command == "train-draft":
+        from engine.training.cli import run_train_draft
+
+        return run_train_draft(ns)
     parser.error(f"unknown command {ns.command!r}")
     return 2
 

@@ -1,0 +1,177 @@
+"""Eagle3 head training: the inference module ``models.eagle3.Eagle3Draft`` with a reduced
+draft vocabulary (``d2t``/``t2d``), written in the public Eagle3 checkpoint layout."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.training.export import init_linear_, save_head, unfused_state
+from engine.training.features import Features
+from models.eagle3 import Eagle3Draft
+from models.parallel import ParallelMapping
+
+INIT_MODES = ("head", "scratch")
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
+    """The engine's default: the residual stream after layers (1, L//2 - 1, L - 4)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def eagle3_config(
+    target_config: Any, draft_vocab_size: int, capture_layers: tuple[int, ...]
+) -> dict[str, Any]:
+    """A Llama ``config.json`` with one layer, the target's shapes and the draft vocabulary."""
+    t = target_config
+    rope = dict(getattr(t, "rope_parameters", None) or {})
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": t.hidden_size,
+        "target_hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_attention_heads,
+        "num_key_value_heads": t.num_key_value_heads,
+        "head_dim": getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        "num_hidden_layers": 1,
+        "vocab_size": t.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "rms_norm_eps": t.rms_norm_eps,
+        "max_position_embeddings": t.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture_layers)},
+    }
+    if rope:
+        cfg["rope_parameters"] = rope
+        cfg["rope_theta"] = rope.get("rope_theta", 10000.0)
+    return cfg
+
+
+def head_vocab_ids(folder: str | os.PathLike) -> torch.Tensor:
+    """The draft vocabulary (target ids, sorted) of a saved Eagle3 head, from its ``d2t``."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+    return d2t + torch.arange(d2t.numel())
+
+
+class Eagle3Head:
+    """The trainable Eagle3 draft bound to a frozen target."""
+
+    method = "eagle3"
+
+    def __init__(
+        self,
+        target: nn.Module,
+        vocab_ids: torch.Tensor,
+        capture_layers: tuple[int, ...],
+        seed: int = 0,
+        init: str = "head",
+    ) -> None:
+        from transformers import LlamaConfig
+
+        if init not in INIT_MODES:
+            raise ValueError(f"init={init!r} is invalid: use one of {INIT_MODES}")
+        self.init_mode = init
+        self.target = target
+        self.target_config = target.config
+        self.capture_layers = tuple(capture_layers)
+        self.vocab_ids = vocab_ids.long().sort().values  # [draft_V] target ids
+        self.config = eagle3_config(target.config, len(self.vocab_ids), self.capture_layers)
+        hf = LlamaConfig(**{k: v for k, v in self.config.items() if k != "eagle_config"})
+        hf.eagle_config = self.config["eagle_config"]
+        self.draft = Eagle3Draft(hf, target.config, ParallelMapping())
+        self.draft.bind_target(target)
+        vocab = int(target.config.vocab_size)
+        # target id → draft id, -1 outside the draft vocabulary
+        self.t2d_index = torch.full((vocab,), -1, dtype=torch.int64)
+        self.t2d_index[self.vocab_ids] = torch.arange(len(self.vocab_ids))
+        with torch.no_grad():
+            self.draft.d2t.copy_(self.vocab_ids - torch.arange(len(self.vocab_ids)))
+        self._init(target, seed)
+        h = int(target.config.hidden_size)
+        self.input_scale = torch.ones(len(self.capture_layers) * h)  # folded into fc on export
+        for p in self.draft.parameters():
+            p.requires_grad_(True)
+
+    def _init(self, target: nn.Module, seed: int) -> None:
+        """Random linears, ones norms. ``head`` (default) starts the LM head from the target's
+        rows for the draft vocabulary and the final norm from the target's (its output
+        geometry and scale); ``scratch`` keeps all random."""
+        g = torch.Generator().manual_seed(seed)
+        d = self.draft
+        for module in d.modules():
+            w = getattr(module, "weight", None)
+            if w is not None and w.dim() == 2:
+                init_linear_(w, g)
+        if self.init_mode == "head":
+            with torch.no_grad():
+                d.lm_head.weight.copy_(target.lm_head.weight[self.vocab_ids])
+                d.norm.weight.copy_(target.model.norm.weight)
+
+    def set_input_scale(self, aux: torch.Tensor) -> None:
+        """Train ``fc`` on unit-scale inputs: the captured residual streams carry a few massive
+        dimensions (for the built-in model one column has rms ~1400 against a median ~5) that
+        would swamp a random ``fc`` and every Adam step on it. ``fc`` trains on
+        ``aux * input_scale`` and is saved as ``fc.weight * input_scale`` — the same map."""
+        rms = aux.float().reshape(-1, aux.shape[-1]).pow(2).mean(0).sqrt()
+        self.input_scale = 1.0 / rms.clamp(min=1.0)
+
+    def hidden0(self, f: Features) -> torch.Tensor:
+        """[B, T, H]: ``fc`` over the captured target states (scaled, see
+        ``set_input_scale``)."""
+        return self.draft.combine_hidden([f.aux.float() * self.input_scale.to(f.aux.device)])
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Cross-entropy over the draft vocabulary (labels outside it count as misses);
+        returns (mean loss, correct argmax count)."""
+        logits = self.draft.compute_logits(0, hidden).float()  # [n, draft_V]
+        target = self.t2d_index.to(labels.device)[labels]
+        loss = F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / max(
+            1, labels.numel()
+        )
+        correct = int((logits.argmax(-1) == target).sum())
+        return loss, correct
+
+    def predict(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy target-vocabulary tokens from pre-norm draft outputs [..., H]."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        ids = self.draft.to_target_ids(self.draft.compute_logits(0, flat).argmax(-1))
+        return ids.view(hidden.shape[:-1])
+
+    def export(self, folder: str | os.PathLike) -> None:
+        tensors = unfused_state(self.draft)
+        tensors["fc.weight"] = tensors["fc.weight"] * self.input_scale.to(tensors["fc.weight"])
+        tensors["d2t"] = self.draft.d2t.detach().clone()
+        t2d = torch.zeros(int(self.target_config.vocab_size), dtype=torch.bool)
+        t2d[self.vocab_ids] = True
+        tensors["t2d"] = t2d
+        save_head(folder, tensors, self.config)
+
+    def load_head(self, folder: str | os.PathLike) -> None:
+        """Start from a saved head's weights (its draft vocabulary must be this one's)."""
+        from models.loader import iterate_checkpoint, safetensors_files
+
+        if not torch.equal(head_vocab_ids(folder), self.vocab_ids):
+            raise ValueError(f"{folder}: its draft vocabulary differs from this run's")
+        loaded = self.draft.load_weights(iterate_checkpoint(safetensors_files(folder)))
+        self.input_scale = torch.ones_like(self.input_scale)  # saved heads hold the folded fc
+        missing = self.draft.expected_weights() - loaded
+        if missing:
+            raise ValueError(f"{folder} is missing tensors: {sorted(missing)[:5]}")
+
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "vocab_ids": self.vocab_ids,
+            "capture_layers": list(self.capture_layers),
+            "input_scale": self.input_scale,
+        }

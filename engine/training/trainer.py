@@ -1,0 +1,349 @@
+"""``train_draft``: train an Eagle3 or MTP head for a Llama-family target, on CPU or GPU.
+
+Per step: one batch of sequences → target features (one ``inference_mode`` forward, or the
+feature cache) → the draft unrolled ``ttt_steps`` times as the engine's draft loop runs it →
+the summed per-step losses (weighted ``step_decay ** j``) → one AdamW step. Checkpoints
+(``training_state.pt``) and the exported head are written every ``save_every`` steps and at
+the end; ``resume=True`` continues from the last checkpoint with the same data and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.training import data as D
+from engine.training.features import FeatureStore
+from engine.training.ttt import dense_attention, unroll_draft
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "training_state.pt"
+LOG_FILE = "train_log.jsonl"
+METHODS = ("eagle3", "mtp")
+
+
+@dataclass
+class TrainArgs:
+    method: str
+    out: str
+    target: str | None = None  # default: the built-in model
+    responses: str | None = None  # reuse a responses JSONL (read only; may still be growing)
+    prompts: str | None = None  # prompt JSONL to self-distill (default: the shipped train set)
+    num_prompts: int | None = None
+    text_files: tuple[str, ...] = ()
+    distill: bool = True
+    max_response_tokens: int = 320
+    max_seq_len: int = 1024
+    batch_tokens: int = 4096
+    epochs: float = 1.0
+    max_steps: int | None = None
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    capture_layers: tuple[int, ...] | None = None
+    max_loss_rows: int = 1024
+    feature_cache: str | None = None
+    init_from: str | None = None  # start from a trained head of the same method (fine-tune)
+    init: str = "head"  # a new head's start: "head" (the target's LM head rows) or "scratch"
+    save_every: int = 50
+    log_every: int = 10
+    time_limit_s: float | None = None
+    resume: bool = False
+    seed: int = 0
+    threads: int | None = None
+    device: str = "cpu"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is invalid: use one of {METHODS}")
+        for name in ("batch_tokens", "ttt_steps", "draft_vocab_size", "save_every", "log_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be >= 1")
+        if self.epochs <= 0 and self.max_steps is None:
+            raise ValueError(f"epochs={self.epochs!r} is invalid: must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps!r} is invalid: must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+
+
+@dataclass
+class TrainResult:
+    out: str
+    steps: int
+    total_steps: int
+    num_sequences: int
+    num_tokens: int
+    wall_s: float
+    last: dict[str, Any] = field(default_factory=dict)  # the last logged losses / accuracies
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def _load_target(path: str, device: str) -> Any:
+    from models.loader import load_model
+
+    target = load_model(path, dtype=torch.float32, device=device)
+    target.requires_grad_(False)
+    return target
+
+
+def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int | None) -> tuple:
+    """(sequences, responses rows used)."""
+    rows: list[dict[str, Any]] = []
+    if args.responses:
+        rows = D.read_responses(args.responses)
+        if args.num_prompts is not None:
+            rows = rows[: args.num_prompts]
+    elif args.distill and (args.prompts or not args.text_files):
+        prompts = D.load_prompts(args.prompts)
+        if args.num_prompts is not None:
+            prompts = prompts[: args.num_prompts]
+        rows = D.distill(
+            target_path,
+            prompts,
+            Path(args.out) / "responses.jsonl",
+            max_tokens=args.max_response_tokens,
+            device=args.device,
+        )
+    if num_rows is not None:  # resuming: the data the run started with
+        if len(rows) < num_rows:
+            raise ValueError(f"resume needs {num_rows} response lines, found {len(rows)}")
+        rows = rows[:num_rows]
+    seqs = D.response_sequences(rows, args.max_seq_len)
+    if args.text_files:
+        seqs += D.text_sequences(tokenizer, list(args.text_files), args.max_seq_len)
+    if not seqs:
+        raise ValueError("no training data: give --responses, prompts to distill or --text-file")
+    return seqs, len(rows)
+
+
+def _capture_layers(args: TrainArgs, target: Any) -> tuple[int, ...]:
+    from engine.training.eagle3 import default_capture_layers
+
+    layers = args.capture_layers or default_capture_layers(int(target.config.num_hidden_layers))
+    return tuple(int(i) for i in layers)
+
+
+def _make_head(args: TrainArgs, target: Any, target_path: str, seqs: list, saved: dict) -> Any:
+    if args.method == "mtp":
+        from engine.training.mtp import MTPHead
+
+        return MTPHead(
+            target, target_path, max_loss_rows=args.max_loss_rows, seed=args.seed, init=args.init
+        )
+    from engine.training.eagle3 import Eagle3Head
+
+    capture = tuple(saved.get("capture_layers") or _capture_layers(args, target))
+    if "vocab_ids" in saved:
+        vocab_ids = saved["vocab_ids"]
+    elif args.init_from:
+        from engine.training.eagle3 import head_vocab_ids
+
+        vocab_ids = head_vocab_ids(args.init_from)
+    else:
+        eos = getattr(target.config, "eos_token_id", None)
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        counts = D.token_counts(seqs, int(target.config.vocab_size))
+        vocab_ids = D.choose_draft_vocab(counts, args.draft_vocab_size, always)
+    return Eagle3Head(target, vocab_ids, capture, seed=args.seed, init=args.init)
+
+
+def train_draft(args: TrainArgs) -> TrainResult:
+    """Train (or resume training) a draft head; the head is written to ``args.out``."""
+    from transformers import AutoTokenizer
+
+    start_wall = time.monotonic()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.target is None:
+        from models.builtin import builtin_model_path
+
+        target_path = builtin_model_path()
+    else:
+        target_path = str(args.target)
+    state_path = out / STATE_FILE
+    saved: dict[str, Any] = {}
+    if args.resume:
+        if not state_path.is_file():
+            raise ValueError(f"--resume: no {STATE_FILE} in {out}")
+        saved = torch.load(state_path, weights_only=False)
+        if saved["method"] != args.method:
+            raise ValueError(f"--resume: {out} trains a {saved['method']} head, not {args.method}")
+    elif state_path.is_file():
+        raise ValueError(f"{out} holds a training run; pass --resume or another --out")
+
+    target = _load_target(target_path, args.device)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    # Rotary tables cover max_position_embeddings (+ a margin for the draft steps).
+    limit = int(getattr(target.config, "max_position_embeddings", args.max_seq_len))
+    if args.max_seq_len > limit:
+        args = dataclasses.replace(args, max_seq_len=limit)
+    seqs, num_rows = _sequences(args, target_path, tokenizer, saved.get("num_rows"))
+    batches = D.make_batches(seqs, args.batch_tokens)
+    with torch.device(args.device):  # modules are built in place (no .to(): rope caches)
+        head = _make_head(args, target, target_path, seqs, saved)
+    draft = head.draft
+    # Features hold the Eagle3 capture layers for either method, so both share one cache.
+    capture = getattr(head, "capture_layers", None) or _capture_layers(args, target)
+    key = D.fingerprint(
+        seqs, [str(Path(target_path).resolve()), capture, args.batch_tokens, args.max_seq_len]
+    )
+    if saved and saved["key"] != key:
+        raise ValueError("--resume: the training data differ from the run's; cannot resume")
+    store = FeatureStore(target, seqs, batches, tuple(capture), args.feature_cache)
+    nb = len(batches)
+    total = args.max_steps or max(1, math.ceil(args.epochs * nb))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    step = 0
+    if args.init_from and not saved:
+        head.load_head(args.init_from)
+    elif saved and "input_scale" in saved:
+        head.input_scale = saved["input_scale"]
+    elif hasattr(head, "set_input_scale"):  # a new Eagle3 head: from the first batch
+        head.set_input_scale(store.get(D.epoch_order(nb, 0, args.seed)[0]).aux)
+    if saved:
+        draft.load_state_dict(saved["draft"])
+        opt.load_state_dict(saved["optimizer"])
+        step = int(saved["step"])
+        total = int(saved["total_steps"])
+    num_tokens = sum(len(s.tokens) for s in seqs)
+    logger.info(
+        "training %s head: %d sequences (%d tokens), %d batches, %d steps",
+        args.method, len(seqs), num_tokens, nb, total,
+    )  # fmt: skip
+
+    def save() -> None:
+        state = {
+            "method": args.method,
+            "step": step,
+            "total_steps": total,
+            "key": key,
+            "num_rows": num_rows,
+            "draft": draft.state_dict(),
+            "optimizer": opt.state_dict(),
+            "args": asdict(args),
+            **head.extra_state(),
+        }
+        tmp = state_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, state_path)
+        head.export(out)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=step, desc=f"train {args.method}", disable=not args.progress)
+    window: dict[str, float] = {}
+    last: dict[str, Any] = {}
+    seen_tokens, t0 = 0, time.monotonic()
+    stopped_early = False
+    while step < total:
+        epoch, pos = divmod(step, nb)
+        index = D.epoch_order(nb, epoch, args.seed)[pos]
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_factor(step, total, args.warmup_steps, args.min_lr_ratio)
+        stats = train_step(head, store.get(index), args, opt, params)
+        step += 1
+        seen_tokens += store.num_tokens(index)
+        for k, v in stats.items():
+            window[k] = window.get(k, 0.0) + v
+        bar.update(1)
+        if step % args.log_every == 0 or step == total:
+            last = _summarize(window, step, time.monotonic() - t0, seen_tokens)
+            window = {}
+            bar.set_postfix({k: last[k] for k in last if k.startswith(("loss", "acc"))})
+            with open(out / LOG_FILE, "a") as f:
+                f.write(json.dumps(last) + "\n")
+        if step % args.save_every == 0 or step == total:
+            save()
+        if args.time_limit_s is not None and time.monotonic() - start_wall > args.time_limit_s:
+            stopped_early = step < total
+            break
+    if stopped_early:
+        save()
+        logger.info("time limit reached at step %d of %d; --resume continues", step, total)
+    bar.close()
+    return TrainResult(
+        out=str(out),
+        steps=step,
+        total_steps=total,
+        num_sequences=len(seqs),
+        num_tokens=num_tokens,
+        wall_s=time.monotonic() - start_wall,
+        last=last,
+    )
+
+
+def train_step(
+    head: Any, feats: Any, args: TrainArgs, opt: torch.optim.Optimizer, params: list
+) -> dict[str, float]:
+    """One optimizer step over one batch; returns summed per-step losses and counts."""
+    device = torch.device(args.device)
+    tokens = feats.tokens.to(device)
+    labels = feats.labels.to(device)
+    feats.aux, feats.final = feats.aux.to(device), feats.final.to(device)
+    draft = head.draft
+    draft.train()
+    with dense_attention(draft):
+        outs = unroll_draft(draft, tokens, head.hidden0(feats), args.ttt_steps)
+    total = torch.zeros((), device=device)
+    stats: dict[str, float] = {}
+    for j, hidden in enumerate(outs):
+        # Step j of the chain rooted at row i predicts the token at i + j + 2.
+        lab = torch.full_like(labels, -1)
+        n = labels.shape[1] - (j + 2)
+        if n > 0:
+            lab[:, :n] = labels[:, j + 2 :]
+        valid = lab >= 0
+        count = int(valid.sum())
+        if count == 0:
+            continue
+        loss, correct = head.loss(hidden[valid], lab[valid])
+        total = total + (args.step_decay**j) * loss
+        stats[f"loss{j}"] = float(loss.detach()) * count
+        stats[f"acc{j}"] = float(correct)
+        stats[f"n{j}"] = float(count)
+    opt.zero_grad(set_to_none=True)
+    if total.requires_grad:
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        opt.step()
+    draft.eval()
+    return stats
+
+
+def _summarize(window: dict[str, float], step: int, elapsed: float, tokens: int) -> dict:
+    out: dict[str, Any] = {"step": step, "elapsed_s": round(elapsed, 1)}
+    j = 0
+    while f"n{j}" in window:
+        n = max(1.0, window[f"n{j}"])
+        out[f"loss{j}"] = round(window[f"loss{j}"] / n, 4)
+        out[f"acc{j}"] = round(window[f"acc{j}"] / n, 4)
+        j += 1
+    out["tok_s"] = round(tokens / max(elapsed, 1e-9), 1)
+    return out

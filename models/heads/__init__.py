@@ -1,0 +1,38 @@
+"""Draft heads that ship with Tandem, trained by ``tandem train-draft`` for the built-in model
+(SmolLM2-135M-Instruct). Each folder holds ``config.json``, ``model.safetensors`` (bf16) and a
+``README.md`` card with its data, training run and measured acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+HEADS_DIR = Path(__file__).resolve().parent
+BUILTIN_HEADS = {
+    "eagle3": "smollm2-135m-instruct-eagle3",
+    "mtp": "smollm2-135m-instruct-mtp",
+}
+DEFAULT_METHOD = "eagle3"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+
+
+def builtin_head_path(method: str) -> str:
+    """Folder of the shipped ``method`` head for the built-in model."""
+    if method not in BUILTIN_HEADS:
+        raise ValueError(f"no shipped {method!r} head; shipped: {sorted(BUILTIN_HEADS)}")
+    return str(HEADS_DIR / BUILTIN_HEADS[method])
+
+
+def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """The built-in model's speculative config: the shipped Eagle3 head with K = 3 when none is
+    given; a config of a shipped method without a ``model`` gets that method's shipped head."""
+    if spec is None:
+        return {
+            "method": DEFAULT_METHOD,
+            "model": builtin_head_path(DEFAULT_METHOD),
+            "num_speculative_tokens": DEFAULT_NUM_SPECULATIVE_TOKENS,
+        }
+    method = spec.get("method")
+    if method in BUILTIN_HEADS and not spec.get("model"):
+        return {**spec, "model": builtin_head_path(method)}
+    return spec

@@ -1,0 +1,388 @@
+"""`tandem train-draft`: tiny Eagle3 and MTP runs on a tiny Llama (self-distillation with our
+engine), their heads served by the engine, the training forward against the engine's own draft
+loop, resume, the shipped prompt sets and the shipped heads of the built-in model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import build_llama
+from engine import LLM, SamplingParams
+from engine.training import data as D
+from engine.training.trainer import STATE_FILE, TrainArgs, train_draft
+
+PROMPTS = ["Hello world!", "Paris is the capital", "tokens, blocks, caches", "How are you?"]
+METHODS = ("eagle3", "mtp")
+
+
+def _args(method: str, out: Path, target: Path, **kw: object) -> TrainArgs:
+    base = dict(
+        method=method,
+        out=str(out),
+        target=str(target),
+        max_response_tokens=32,
+        batch_tokens=96,
+        max_steps=24,
+        lr=3e-3,
+        warmup_steps=2,
+        draft_vocab_size=200,
+        log_every=4,
+        save_every=8,
+        threads=1,
+        progress=False,
+    )
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    folder = build_llama(root / "target", layers=4)
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(target: Path) -> list[list[int]]:
+    """The training prompts through the chat template, plus one the head never saw."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    return [D.chat_prompt_ids(tok, p) for p in PROMPTS] + [list(range(40, 70))]
+
+
+@pytest.fixture(scope="module")
+def trained(target: Path) -> dict[str, Path]:
+    heads = {}
+    prompts = target.parent / "prompts.jsonl"
+    for method in METHODS:
+        out = target.parent / method
+        # The first run distills; the second reuses its responses (read only).
+        data = {"prompts": str(prompts)}
+        if heads:
+            data = {"responses": str(heads["eagle3"] / "responses.jsonl")}
+        train_draft(_args(method, out, target, **data))
+        heads[method] = out
+    return heads
+
+
+def _spec(heads: dict[str, Path], method: str) -> dict:
+    return {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_loss_falls(trained: dict[str, Path], method: str) -> None:
+    log = [
+        json.loads(line) for line in (trained[method] / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in log] == [4, 8, 12, 16, 20, 24]
+    for j in range(3):
+        assert log[-1][f"loss{j}"] < 0.7 * log[0][f"loss{j}"], (j, log)
+    assert log[-1]["acc0"] > log[0]["acc0"]
+
+
+def test_self_distillation_cache_is_the_engines_greedy_output(
+    target: Path, trained: dict[str, Path]
+) -> None:
+    rows = D.read_responses(trained["eagle3"] / "responses.jsonl")
+    assert [r["prompt"] for r in rows] == PROMPTS
+    with LLM(str(target)) as llm:
+        ids = [D.chat_prompt_ids(llm.tokenizer, p) for p in PROMPTS]
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=32))
+    assert [r["prompt_ids"] for r in rows] == ids
+    assert [r["response_ids"] for r in rows] == [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_distillation_resumes_after_a_partial_line(target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "responses.jsonl"
+    first = D.distill(target, PROMPTS[:2], out, max_tokens=8)
+    with open(out, "a") as f:
+        f.write('{"prompt": "cut sh')  # a writer killed mid-line
+    assert D.read_responses(out) == first
+    rows = D.distill(target, PROMPTS, out, max_tokens=8)
+    assert rows[:2] == first and len(rows) == len(PROMPTS)
+    assert D.read_responses(out) == rows
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_head_serves_with_greedy_output_unchanged(
+    target: Path, trained: dict[str, Path], prompt_ids: list[list[int]], method: str
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(target)) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
+    with LLM(str(target), speculative_config=_spec(trained, method)) as llm:
+        outs = llm.generate(prompt_ids, params)
+        stats = llm.engine.spec_stats
+    assert [o.outputs[0].token_ids for o in outs] == base
+    assert stats.num_drafts > 0
+    # Mostly the prompts it was trained on: the head is accepted often.
+    assert stats.mean_tokens_per_step > 1.2  # an untrained head: about 1.0
+
+
+def _engine_drafts(
+    target: Path, spec: dict, prompt_ids: list[list[int]]
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """(final tokens, tokens so far, proposed drafts) after every engine step with drafts."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seen = []
+    with LLM(str(target), speculative_config=spec) as llm:
+        reqs = {
+            f"r{i}": llm.engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompt_ids)
+        }
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                r = reqs[out.request_id]
+                tokens = list(r.prompt_token_ids) + list(r.output_token_ids)
+                seen.append((out.request_id, tokens, list(r.spec_token_ids)))
+    final = {rid: tokens for rid, tokens, _ in seen}
+    # A finishing step's drafts are never used (its output may be cut at max_tokens).
+    return [
+        (final[rid], tokens, drafts)
+        for rid, tokens, drafts in seen
+        if drafts and len(tokens) < len(final[rid])
+    ]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_training_forward_drafts_what_the_engine_drafts(
+    target: Path, trained: dict[str, Path], prompt_ids: list[list[int]], method: str
+) -> None:
+    """The training unroll, fed its own argmax, proposes exactly the engine's drafts at every
+    step: same capture layers, hidden inputs, positions and draft attention pattern."""
+    from engine.training.evaluate import load_trained_head
+    from engine.training.features import compute_features
+    from engine.training.ttt import dense_attention, unroll_draft
+    from models.loader import load_model
+
+    model = load_model(str(target), dtype=torch.float32)
+    head = load_trained_head(method, str(trained[method]), model, str(target))
+    steps = _engine_drafts(target, _spec(trained, method), prompt_ids)
+    assert len(steps) > 10
+    preds: dict[tuple[int, ...], torch.Tensor] = {}
+    for full, tokens, drafts in steps:
+        key = tuple(full)
+        if key not in preds:
+            batch = D.collate([D.TrainSequence(key, 0)])
+            f = compute_features(
+                model, batch, getattr(head, "capture_layers", (1, 2, 3)), torch.float32
+            )
+            with torch.no_grad(), dense_attention(head.draft):
+                outs = unroll_draft(
+                    head.draft, f.tokens, head.hidden0(f), 3, lambda j, h: head.predict(h)
+                )
+            preds[key] = torch.stack([head.predict(o) for o in outs], -1)[0]  # [T, 3]
+        root = len(tokens) - 2  # the last accepted token; its successor fed at step 0
+        assert preds[key][root, : len(drafts)].tolist() == drafts, (root, drafts)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_offline_simulation_agrees_with_the_engine(
+    target: Path, trained: dict[str, Path], prompt_ids: list[list[int]], method: str
+) -> None:
+    """Walking the engine's own greedy outputs with the training forward's drafts gives the
+    engine's tokens per step (up to how the last step before max_tokens is counted)."""
+    from engine.training.evaluate import load_trained_head, simulate_greedy_speculation
+    from models.loader import load_model
+
+    params = SamplingParams(temperature=0, max_tokens=30)
+    with LLM(str(target), speculative_config=_spec(trained, method)) as llm:
+        outs = llm.generate(prompt_ids, params)
+        stats = llm.engine.spec_stats
+    rows = [
+        {"prompt_ids": p, "response_ids": list(o.outputs[0].token_ids)}
+        for p, o in zip(prompt_ids, outs, strict=True)
+    ]
+    model = load_model(str(target), dtype=torch.float32)
+    head = load_trained_head(method, str(trained[method]), model, str(target))
+    sim = simulate_greedy_speculation(head, rows, 3)
+    assert abs(sim.tokens_per_step - stats.mean_tokens_per_step) < 0.1
+    assert abs(sim.num_steps - stats.num_drafts) <= len(prompt_ids)
+
+
+def test_eagle3_input_scale_folds_into_fc(target: Path, tmp_path: Path) -> None:
+    """fc trains on unit-scale inputs; the saved fc applies the scale itself: same map."""
+    from engine.training.eagle3 import Eagle3Head
+    from engine.training.evaluate import load_trained_head
+    from engine.training.features import Features
+    from models.loader import load_model
+
+    model = load_model(str(target), dtype=torch.float32)
+    head = Eagle3Head(model, torch.arange(0, 320, 2), (1, 2, 3))
+    aux = torch.randn(2, 5, 3 * 64)
+    aux[..., 7] *= 1000.0  # a massive dimension
+    head.set_input_scale(aux)
+    assert head.input_scale[7] < 1e-2 and head.input_scale.max() <= 1.0
+    head.export(tmp_path)
+    loaded = load_trained_head("eagle3", str(tmp_path), model, str(target))
+    f = Features(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 5), aux, aux[..., :64])
+    with torch.no_grad():
+        a, b = head.hidden0(f), loaded.hidden0(f)
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)  # bf16 weights on disk
+
+
+def test_resume_continues_the_same_run(target: Path, trained: dict[str, Path], tmp_path: Path):
+    responses = trained["eagle3"] / "responses.jsonl"
+    whole = train_draft(
+        _args("eagle3", tmp_path / "whole", target, responses=str(responses), max_steps=8)
+    )
+    part = _args("eagle3", tmp_path / "part", target, responses=str(responses), max_steps=8)
+    part.time_limit_s = 0.0  # stops (and checkpoints) after its first step
+    assert train_draft(part).steps == 1
+    with pytest.raises(ValueError, match="--resume"):
+        train_draft(part)
+    part.time_limit_s = None
+    part.resume = True
+    resumed = train_draft(part)
+    assert (whole.steps, resumed.steps) == (8, 8)
+    a = torch.load(tmp_path / "whole" / STATE_FILE, weights_only=False)["draft"]
+    b = torch.load(tmp_path / "part" / STATE_FILE, weights_only=False)["draft"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_feature_cache_is_per_sequence_and_survives_more_data(
+    target: Path, trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.training.features as F
+    from models.loader import load_model
+
+    model = load_model(str(target), dtype=torch.float32)
+    rows = D.read_responses(trained["eagle3"] / "responses.jsonl")
+    seqs = D.response_sequences(rows, 1024)
+    small = F.FeatureStore(model, seqs[:2], [[0, 1]], (1, 2, 3), tmp_path)
+    first = small.get(0)
+    calls = []
+    real = F.compute_features
+    monkeypatch.setattr(F, "compute_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = F.FeatureStore(model, seqs, [[1, 0], [2, 3]], (1, 2, 3), tmp_path)
+    cached = again.get(0)  # the same two sequences, in another order: from the cache
+    assert calls == []
+    n = len(seqs[0].tokens)
+    assert cached.tokens[1, :n].tolist() == list(seqs[0].tokens)
+    assert torch.equal(cached.labels[1, :n], first.labels[0, :n])
+    torch.testing.assert_close(cached.aux[1, :n], first.aux[0, :n])
+    again.get(1)  # new sequences: computed once, then cached
+    assert calls == [1]
+    other = F.FeatureStore(model, seqs, [[2, 3]], (0, 1, 2), tmp_path)  # other capture layers
+    other.get(0)
+    assert calls == [1, 1]
+
+
+def test_text_file_training_uses_the_targets_predictions(target: Path, tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
+    out = tmp_path / "text"
+    result = train_draft(
+        _args("mtp", out, target, text_files=(str(text),), distill=False, max_steps=4)
+    )
+    assert result.num_sequences >= 1 and not (out / "responses.jsonl").exists()
+    assert (out / "model.safetensors").is_file()
+
+
+def test_shipped_prompt_sets_are_disjoint() -> None:
+    train = D.load_prompts(name="train")
+    evals = D.load_prompts(name="eval")
+    assert len(evals) >= 50 and len(train) >= 1000
+    assert len(set(evals)) == len(evals)
+    norm = {p.strip().lower() for p in train}
+    assert not [p for p in evals if p.strip().lower() in norm]
+    # Both ship in the wheel, with the built-in model's heads.
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {"engine.training", "models.heads"} <= set(setup["packages"])
+    assert setup["package-data"]["engine.training"] == ["data/*.jsonl"]
+    assert "*/model.safetensors" in setup["package-data"]["models.heads"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
+    """Real loader, meta tensors: every tensor present with the right shape, no compute."""
+    from types import SimpleNamespace
+
+    from models.heads import builtin_head_path
+    from models.llama import LlamaForCausalLM
+    from models.loader import load_draft, load_hf_config
+
+    folder = Path(builtin_head_path(method))
+    files = sorted(p.name for p in folder.iterdir())
+    assert {"README.md", "config.json", "model.safetensors"} <= set(files)
+    assert not [f for f in files if f.endswith((".pt", ".jsonl"))]
+    assert (folder / "model.safetensors").stat().st_size <= 25 << 20
+    if method == "eagle3":
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == 49152
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+        target_cfg = load_hf_config(folder)
+        target_cfg.num_hidden_layers = 30
+        target_cfg.tie_word_embeddings = True
+    else:
+        target_cfg = load_hf_config(folder)  # the target's own config
+        assert target_cfg.num_hidden_layers == 30 and target_cfg.hidden_size == 576
+    with torch.device("meta"):
+        target = LlamaForCausalLM(target_cfg)
+    spec = SimpleNamespace(
+        method=method, model=str(folder), mtp_mode="eagle", num_speculative_tokens=3
+    )
+    draft = load_draft(spec, target, folder, torch.float32, "meta")
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+    assert draft.lm_head_weight.shape[1] == 576
+
+
+def test_builtin_serve_speculates_with_the_shipped_eagle3_head(monkeypatch, tmp_path) -> None:
+    import models.builtin
+    from models.heads import builtin_head_path
+    from server.cli import build_parser, engine_args_from
+
+    monkeypatch.setattr(models.builtin, "builtin_model_path", lambda: str(tmp_path))
+
+    def spec(*argv: str) -> dict | None:
+        return engine_args_from(build_parser().parse_args(["serve", *argv])).speculative_config
+
+    assert spec() == {
+        "method": "eagle3",
+        "model": builtin_head_path("eagle3"),
+        "num_speculative_tokens": 3,
+    }
+    mtp = spec("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    assert mtp == {"method": "mtp", "model": builtin_head_path("mtp"), "num_speculative_tokens": 2}
+    assert spec("--speculative-config", "none") is None
+    assert spec("--speculative-config", "null") is None
+    # A named model gets no default speculation.
+    named = engine_args_from(build_parser().parse_args(["serve", str(tmp_path)]))
+    assert named.speculative_config is None
+
+
+def test_cli_trains_then_evaluates_with_the_engine(
+    target: Path, trained: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from server.cli import main
+
+    out = tmp_path / "head"
+    responses = str(trained["eagle3"] / "responses.jsonl")
+    common = ["--method", "eagle3", "--target", str(target), "--out", str(out)]
+    train = ["--responses", responses, "--max-steps", "2", "--threads", "1", "--no-progress"]
+    assert main(["train-draft", *common, *train, "--draft-vocab-size", "100"]) == 0
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 100
+    capsys.readouterr()
+    report = tmp_path / "eval.json"
+    evaluate = ["--eval-only", "--eval-prompts", str(target.parent / "prompts.jsonl")]
+    evaluate += ["--eval-max-tokens", "12", "--eval-baseline", str(tmp_path / "base.jsonl")]
+    evaluate += ["--eval-offline", "--eval-json", str(report)]
+    assert main(["train-draft", *common, *evaluate]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens per step" in printed and "per-position acceptance" in printed
+    numbers = json.loads(report.read_text())
+    assert numbers["engine"]["greedy_equal"] is True
+    assert numbers["engine"]["num_prompts"] == len(PROMPTS)
+    assert 1.0 <= numbers["engine"]["tokens_per_step"] <= 4.0
+    assert len(D.read_responses(tmp_path / "base.jsonl")) == len(PROMPTS)  # kept for reuse
+    # Errors a user can act on.
+    assert main(["train-draft", *common, "--eval-only", "--out", str(tmp_path / "none")]) == 2
