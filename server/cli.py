@@ -199,7 +199,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         from models.builtin import builtin_model_path
 
         model = builtin_model_path()
-        if not spec_off:  # the shipped Eagle3 head (K = 3), or the shipped head of the method
+        if not spec_off:  # a shipped method without a model gets the shipped head
             from models.heads import builtin_speculative_config
 
             spec = builtin_speculative_config(spec)
