@@ -23,7 +23,7 @@ from torch import nn
 from models.attention import AttentionMetadata
 from models.draft import DraftHead
 from models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
-from models.llama import LlamaMLP
+from models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from models.mla import LatentPagedAttention, MLAAttention
 from models.moe import DeepseekV3MoE, RoutedExperts
 from models.mtp import MTPDraft, MTPLayer
@@ -113,34 +113,23 @@ def deepseek_expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> s
     return keys
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """The Llama pre-norm block with MLA attention and, from ``first_k_dense_replace`` on, the MoE
+    (the forward is the Llama block's)."""
+
     def __init__(self, config: Any, mapping: ParallelMapping, layer_index: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = MLAAttention(config, mapping)
         self.mlp = make_mlp(config, mapping, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, meta.all_rank_num_tokens), residual
 
+class DeepseekV3Model(LlamaModel):
+    """Embedding, DeepSeek-V3 blocks, final norm; the forward is the Llama model's."""
 
-class DeepseekV3Model(nn.Module):
     def __init__(self, config: Any, mapping: ParallelMapping) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, mapping.attn_mapping
         )
@@ -148,25 +137,6 @@ class DeepseekV3Model(nn.Module):
             DeepseekV3DecoderLayer(config, mapping, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        capture_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The final normed hidden states [T, H] and the residual stream after each layer in
-        ``capture_layers``."""
-        hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, meta)
-            if i in capture_layers:
-                captured[i] = hidden + residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, [captured[i] for i in capture_layers]
 
 
 class DeepseekV3MTPDraft(MTPDraft):
