@@ -17,13 +17,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
-from models.attention import AttentionMetadata
 from models.draft import DraftHead
 from models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
-from models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from models.mla import LatentPagedAttention, MLAAttention
 from models.moe import DeepseekV3MoE, RoutedExperts
 from models.mtp import MTPDraft, MTPLayer
@@ -167,14 +165,12 @@ class DeepseekV3MTPDraft(MTPDraft):
         return deepseek_expected_keys(self)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    """Causal LM over the paged latent cache; same interface as the Llama family's."""
-
-    qkv_bias = False
-    qk_norm = False
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """Causal LM over the paged latent cache; the Llama family's interface, forward and logits,
+    with DeepSeek-V3 blocks and weight loading."""
 
     def __init__(self, config: Any, mapping: ParallelMapping | None = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         mapping = mapping or ParallelMapping()
         self.config = config
         self.mapping = mapping
@@ -184,19 +180,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        capture_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.model(input_ids, positions, meta, capture_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[LatentPagedAttention]:
+    def attention_layers(self) -> list[LatentPagedAttention]:  # type: ignore[override]
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def build_mtp_draft(self, config: Any, mapping: ParallelMapping, num_layers: int) -> DraftHead:
