@@ -12,7 +12,9 @@ from engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
+from kernels.cpu_decode import MAX_ROWS
 from models.layers import pack_cpu_linears
+from models.llama import enable_cpu_fast_path
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
 
@@ -76,6 +78,11 @@ class Worker:
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
         if config.device.type == "cpu":  # bf16 weights: oneDNN's faster layout (no-op otherwise)
             pack_cpu_linears(self.model)
+            reason = enable_cpu_fast_path(self.model)
+            if reason is None:
+                logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
+            else:
+                logger.info("CPU decode fast path off: %s", reason)
             if spec is not None:
                 pack_cpu_linears(spec.draft)
         self.runner = ModelRunner(

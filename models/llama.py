@@ -8,12 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_decode
 from models.attention import AttentionMetadata, PagedAttention
 from models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
@@ -137,6 +139,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    fast_path: CpuStackFastPath | None = None  # set by ``enable_cpu_fast_path``
+
     def __init__(
         self, config: Any, mapping: ParallelMapping, qkv_bias: bool, qk_norm: bool
     ) -> None:
@@ -159,6 +163,8 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states [T, H] and, for each index in
         ``capture_layers``, the residual stream (hidden + residual) after that layer."""
+        if self.fast_path is not None and self.fast_path.accepts(input_ids, meta):
+            return self.fast_path(input_ids, positions, meta, capture_layers)
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         captured: dict[int, torch.Tensor] = {}
@@ -168,6 +174,140 @@ class LlamaModel(nn.Module):
                 captured[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return hidden, [captured[i] for i in capture_layers]
+
+
+class CpuStackFastPath:
+    """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
+    at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
+    batches); the eager layers stay the reference and run every other step (prefill chunks,
+    large batches, training)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        layer0 = model.layers[0]
+        attn = layer0.self_attn
+        self.dtype = model.norm.weight.dtype
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.eps = float(layer0.input_layernorm.eps)
+        self.scale = float(attn.attn.scale)
+        self.cos_sin = attn.rotary_emb.cos_sin
+        self.weights = [w.detach() for layer in model.layers for w in self.layer_weights(layer)]
+        self.attention = [layer.self_attn.attn for layer in model.layers]
+
+    @staticmethod
+    def layer_weights(layer: LlamaDecoderLayer) -> tuple[torch.Tensor, ...]:
+        """In the extension's order: input norm, QKV, O, post-attention norm, gate/up, down."""
+        return (
+            layer.input_layernorm.weight,
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+
+    @staticmethod
+    def unsupported(model: LlamaModel) -> str | None:
+        """Why ``model`` cannot take the fast path (None: it can)."""
+        layers = list(model.layers)
+        if not layers:
+            return "no layers"
+        if any(
+            type(layer) is not LlamaDecoderLayer
+            or type(layer.self_attn) is not LlamaAttention
+            or type(layer.mlp) is not LlamaMLP
+            for layer in layers
+        ):
+            return "not a plain Llama decoder stack"
+        attn0 = layers[0].self_attn
+        mapping = layers[0].mlp.mapping
+        if mapping.tp_size != 1 or mapping.uses_adp_collectives:
+            return "tensor or attention parallelism"
+        rope = attn0.rotary_emb
+        if type(rope) is not RotaryEmbedding or rope.interleaved:
+            return "a rotary variant other than neox"
+        if rope.rotary_dim != attn0.head_dim or attn0.head_dim % 2:
+            return "partial rotary"
+        dtype = model.norm.weight.dtype
+        if dtype not in cpu_decode.DTYPES:
+            return f"dtype {dtype}"
+        for layer in layers:
+            attn = layer.self_attn
+            if (
+                attn.q_norm is not None
+                or attn.qkv_proj.bias is not None
+                or attn.o_proj.bias is not None
+            ):
+                return "q/k norms or projection biases"
+            weights = CpuStackFastPath.layer_weights(layer)
+            if any(w.device.type != "cpu" or w.dtype != dtype for w in weights):
+                return "weights off the CPU or in mixed dtypes"
+        return None
+
+    def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        k_cache = self.attention[0].k_cache
+        return (
+            isinstance(meta, AttentionMetadata)
+            and 0 < input_ids.shape[0] <= cpu_decode.MAX_ROWS
+            and meta.all_rank_num_tokens is None
+            and k_cache.dtype == self.dtype
+            and k_cache.dim() == 4
+            and bool((meta.slot_mapping >= 0).all())
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        t = input_ids.shape[0]
+        num_seqs = meta.seq_lens.shape[0]
+        seq_lens = meta.seq_lens.long()
+        if meta.max_query_len == 1 and t == num_seqs:  # one token per sequence
+            row_seq = torch.arange(t)
+            kv_len = seq_lens
+        else:  # row j of a sequence's q query rows sees seq_len - q + j + 1 keys
+            qsl = meta.query_start_loc.long()
+            qlens = qsl[1:] - qsl[:-1]
+            row_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=t)
+            j = torch.arange(t) - qsl[row_seq]
+            kv_len = seq_lens[row_seq] - qlens[row_seq] + j + 1
+        caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
+        out = cpu_decode.llama_stack(
+            self.model.embed_tokens(input_ids).contiguous(),
+            positions.long().contiguous(),
+            meta.slot_mapping.long().contiguous(),
+            row_seq,
+            kv_len.contiguous(),
+            meta.block_tables.to(torch.int32).contiguous(),
+            self.weights,
+            caches,
+            self.model.norm.weight.detach(),
+            self.cos_sin,
+            (*self.shape, caches[0].shape[1]),
+            self.eps,
+            self.scale,
+            list(capture_layers),
+        )
+        return out[0], out[1:]
+
+
+def enable_cpu_fast_path(model: nn.Module) -> str | None:
+    """Give ``model``'s Llama stack the CPU fast path when it qualifies and the extension
+    builds; returns why not (None: enabled). Models without a ``LlamaModel`` are left alone."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return "not a Llama-family model"
+    reason = CpuStackFastPath.unsupported(inner)
+    if reason is None:
+        reason = cpu_decode.unavailable_reason()
+    if reason is None and cpu_decode.load_extension() is None:
+        reason = cpu_decode.unavailable_reason() or "the extension did not load"
+    if reason is None:
+        inner.fast_path = CpuStackFastPath(inner)
+    return reason
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,137 @@
+"""CPU decode fast path: a Llama decoder stack in one C++ call for small batches.
+
+``cpu_decode.cpp`` runs every layer (norms, fused QKV, rotary, paged KV write, attention over
+the paged cache, MLP) for at most ``MAX_ROWS`` rows without returning to Python; the eager
+modules of ``models/llama.py`` are its reference and serve every other step. It is built with
+the machine's C++ compiler at first use (about a minute) into ``<cache>/extensions`` and loaded
+from there afterwards. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU without AVX-512 BF16,
+or a failed build, falls back to the eager path with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+ENV_VAR = "TANDEM_CPU_FAST_DECODE"
+MAX_ROWS = 32  # above this, batched matmuls amortise the eager path's overhead
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_ext: Any = None
+_error: str | None = None
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the fast path cannot run on this machine (None: it can, once built)."""
+    if not enabled_by_env():
+        return f"{ENV_VAR}=0"
+    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return _error
+
+
+def load_extension() -> Any | None:
+    """The built extension module, building it on first use; None where unavailable."""
+    global _ext, _error
+    with _lock:
+        if _ext is not None:
+            return _ext
+        reason = unavailable_reason()
+        if reason is not None:
+            return None
+        from models.builtin import cache_dir
+
+        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+        build = cache_dir() / "extensions" / f"cpu_decode-{digest[:16]}"
+        try:
+            from torch.utils.cpp_extension import load
+
+            build.mkdir(parents=True, exist_ok=True)
+            if not any(build.glob("*.so")):
+                logger.info("building the CPU decode fast path into %s (once)", build)
+            _ext = load(
+                name="tandem_cpu_decode",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a build error: stay on the eager path
+            _error = f"its build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
+            logger.warning("CPU decode fast path disabled: %s", _error)
+            return None
+        return _ext
+
+
+def llama_stack(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    row_seq: torch.Tensor,
+    kv_len: torch.Tensor,
+    block_tables: torch.Tensor,
+    weights: list[torch.Tensor],
+    caches: list[torch.Tensor],
+    final_norm: torch.Tensor,
+    cos_sin: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    eps: float,
+    scale: float,
+    capture: list[int],
+) -> list[torch.Tensor]:
+    """One call of the extension: ``x`` [M, hidden] embeddings → [final normed hidden, the
+    residual stream after each ``capture`` layer]. ``weights``: per layer input norm, QKV, O,
+    post-attention norm, gate/up, down; ``caches``: per layer K, V. ``shape``: (num_heads,
+    num_kv_heads, head_dim, block_size). Row ``m`` writes its K/V at ``slots[m]`` and attends
+    to the first ``kv_len[m]`` keys of sequence ``row_seq[m]``."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError(f"the CPU decode fast path is unavailable: {unavailable_reason()}")
+    heads, kv_heads, head_dim, block_size = shape
+    return ext.llama_stack(
+        x,
+        positions,
+        slots,
+        row_seq,
+        kv_len,
+        block_tables,
+        weights,
+        caches,
+        final_norm,
+        cos_sin,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        eps,
+        scale,
+        capture,
+    )

@@ -1,0 +1,217 @@
+"""The CPU decode fast path (kernels/cpu_decode.cpp): every step it takes equals the eager
+layers on the same inputs (hidden states, captured layers and KV cache), greedy output equals
+transformers', and whatever it cannot run falls back to the eager path."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoints import build_eagle3_draft, build_llama, hf_greedy
+from engine import LLM, SamplingParams
+from kernels import cpu_decode
+from models.llama import CpuStackFastPath, LlamaModel, enable_cpu_fast_path
+
+MISSING = [f for f in cpu_decode.REQUIRED_FLAGS if f not in cpu_decode.cpu_flags()]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"CPU lacks {MISSING}")
+
+# Odd sizes on purpose: hidden 72 and head_dim 18 leave tails after the 16/32-lane loops.
+TINY = dict(hidden_size=72, heads=4, kv_heads=2, intermediate=100, layers=3, vocab_size=300)
+PROMPTS = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
+
+
+def inner_model(llm: LLM) -> LlamaModel:
+    model = llm.engine.executor.worker.model.model
+    assert isinstance(model, LlamaModel)
+    return model
+
+
+@contextmanager
+def checked_against_eager(model: LlamaModel, records: list[dict[str, Any]]) -> Iterator[None]:
+    """Every fast-path step also runs the eager layers on a copy of the KV cache first; the
+    differences (hidden, captured, cache) are recorded per step."""
+    fast = model.fast_path
+    assert fast is not None, "the fast path is off"
+
+    def step(
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: Any,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        before = [(a.k_cache.clone(), a.v_cache.clone()) for a in fast.attention]
+        model.fast_path = None
+        ref, ref_cap = model(input_ids, positions, meta, capture_layers)
+        model.fast_path = checker
+        ref_kv = [(a.k_cache.clone(), a.v_cache.clone()) for a in fast.attention]
+        for a, (k, v) in zip(fast.attention, before, strict=True):
+            a.k_cache.copy_(k)
+            a.v_cache.copy_(v)
+        out, cap = fast(input_ids, positions, meta, capture_layers)
+        kv = max(
+            max((a.k_cache - k).abs().max().item(), (a.v_cache - v).abs().max().item())
+            for a, (k, v) in zip(fast.attention, ref_kv, strict=True)
+        )
+        records.append(
+            {
+                "rows": input_ids.shape[0],
+                "seqs": meta.seq_lens.shape[0],
+                "hidden": (out.float() - ref.float()).abs().max().item(),
+                "scale": ref.float().abs().max().item(),
+                "captured": [
+                    (c.float() - r.float()).abs().max().item()
+                    for c, r in zip(cap, ref_cap, strict=True)
+                ],
+                "kv": kv,
+            }
+        )
+        return out, cap
+
+    class Checker:
+        accepts = fast.accepts
+        attention = fast.attention
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return step(*args, **kwargs)
+
+    checker = Checker()
+    model.fast_path = checker  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        model.fast_path = fast
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("cpu-fast") / "llama", **TINY)
+
+
+def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
+    ref = hf_greedy(tiny, PROMPTS, 24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    records: list[dict[str, Any]] = []
+    with LLM(str(tiny), dtype="float32", max_num_seqs=8) as llm:
+        model = inner_model(llm)
+        with checked_against_eager(model, records):
+            outs = llm.generate(PROMPTS, params)
+            decode_steps = len(records)
+            alone = llm.generate(PROMPTS[1:2], params)  # its prefill fits the fast path
+    for out, expected in zip(outs, ref, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == expected["tokens"]
+        diffs = [
+            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
+        ]
+        assert max(diffs) < 1e-4
+    assert alone[0].outputs[0].token_ids == ref[1]["tokens"]
+    # Every decode step took the fast path (the 60-row batched prefill ran eager), and so did
+    # the lone prompt's prefill and decode.
+    assert decode_steps == 23
+    assert len(records) == 23 + 24
+    # 19 tokens: the first block (16) hits the prefix cache, 3 causal rows run over it.
+    assert records[23]["rows"] == 3 and records[23]["seqs"] == 1
+    for r in records:
+        assert r["hidden"] < 1e-4 * max(1.0, r["scale"]), r
+        assert r["kv"] < 1e-5, r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype: str) -> None:
+    """Eagle3 verification: K + 1 causal rows per sequence and captured layers."""
+    draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    records: list[dict[str, Any]] = []
+    with LLM(str(tiny), dtype=dtype, max_num_seqs=4, speculative_config=spec) as llm:
+        model = inner_model(llm)
+        with checked_against_eager(model, records):
+            llm.generate(PROMPTS[:3], params)
+    verify = [r for r in records if r["rows"] == 4 * r["seqs"]]
+    assert verify, records
+    assert all(len(r["captured"]) == 3 for r in records)
+    # bf16: the two paths round the same values but sum in different orders.
+    tol = 1e-4 if dtype == "float32" else 0.03
+    for r in records:
+        assert r["hidden"] <= tol * max(1.0, r["scale"]), r
+        assert max(r["captured"]) <= tol * max(1.0, r["scale"]) * 4, r
+        assert r["kv"] <= tol * 4, r
+
+
+def test_greedy_speculation_is_exact_with_the_fast_path(tiny: Path, tmp_path: Path) -> None:
+    draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
+        assert inner_model(llm).fast_path is not None
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(str(tiny), dtype="float32", max_num_seqs=4, speculative_config=spec) as llm:
+        assert inner_model(llm).fast_path is not None
+        specd = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert specd == plain
+
+
+def test_large_steps_and_unsupported_models_use_the_eager_path(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long_prompt = list(range(1, cpu_decode.MAX_ROWS + 8))
+    records: list[dict[str, Any]] = []
+    with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
+        model = inner_model(llm)
+        with checked_against_eager(model, records):
+            llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=3))
+        assert all(r["rows"] <= cpu_decode.MAX_ROWS for r in records)
+        assert len(records) == 2  # the 39-token prefill ran eager; both decode steps fast
+        fast = model.fast_path
+        assert fast is not None
+        assert not fast.accepts(torch.zeros(cpu_decode.MAX_ROWS + 1, dtype=torch.long), None)  # type: ignore[arg-type]
+
+    qwen3 = build_llama(tmp_path / "qwen3", arch="qwen3", head_dim=16)
+    with LLM(str(qwen3), dtype="float32") as llm:
+        model = inner_model(llm)
+        assert model.fast_path is None
+        assert CpuStackFastPath.unsupported(model) == "q/k norms or projection biases"
+
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
+    with LLM(str(tiny), dtype="float32") as llm:
+        assert inner_model(llm).fast_path is None
+        assert enable_cpu_fast_path(llm.engine.executor.worker.model) == "TANDEM_CPU_FAST_DECODE=0"
+
+
+def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
+    with LLM(str(tiny), dtype="float32") as llm:
+        fast = inner_model(llm).fast_path
+        assert fast is not None
+        h = fast.weights[0].shape[0]
+        caches = [c for a in fast.attention for c in (a.k_cache, a.v_cache)]
+        args = dict(
+            x=torch.zeros(1, h),
+            positions=torch.tensor([0]),
+            slots=torch.tensor([0]),
+            row_seq=torch.tensor([0]),
+            kv_len=torch.tensor([1]),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32),
+            weights=fast.weights,
+            caches=caches,
+            final_norm=fast.weights[0],
+            cos_sin=fast.cos_sin,
+            shape=(*fast.shape, caches[0].shape[1]),
+            eps=fast.eps,
+            scale=fast.scale,
+            capture=[],
+        )
+        out = cpu_decode.llama_stack(**args)  # type: ignore[arg-type]
+        assert out[0].shape == (1, h)
+        for key, value in [
+            ("positions", torch.tensor([10**7])),
+            ("slots", torch.tensor([-1])),
+            ("kv_len", torch.tensor([10**6])),
+            ("row_seq", torch.tensor([3])),
+        ]:
+            with pytest.raises(RuntimeError, match="out of range"):
+                cpu_decode.llama_stack(**{**args, key: value})  # type: ignore[arg-type]
