@@ -13,7 +13,7 @@ from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
 from kernels.cpu_decode import MAX_ROWS
-from models.layers import pack_cpu_linears
+from models.layers import pack_cpu_linears, use_cpu_matvec_lm_heads
 from models.llama import enable_cpu_fast_path
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
@@ -81,6 +81,8 @@ class Worker:
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
+                if spec is not None:
+                    use_cpu_matvec_lm_heads(spec.draft)
             else:
                 logger.info("CPU decode fast path off: %s", reason)
             if spec is not None:

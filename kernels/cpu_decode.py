@@ -3,8 +3,9 @@
 ``cpu_decode.cpp`` runs every layer (norms, fused QKV, rotary, paged KV write, attention over
 the paged cache, MLP) for at most ``MAX_ROWS`` rows without returning to Python; the eager
 modules of ``models/llama.py`` are its reference and serve every other step. It is built with
-the machine's C++ compiler at first use (about a minute) into ``<cache>/extensions`` and loaded
-from there afterwards. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU without AVX-512 BF16,
+the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
+afterwards. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU without AVX-512 BF16,
 or a failed build, falls back to the eager path with a warning.
 """
 
@@ -66,22 +67,18 @@ def load_extension() -> Any | None:
         reason = unavailable_reason()
         if reason is not None:
             return None
-        from models.builtin import cache_dir
-
+        # The source's digest names the module: an edited source never loads a stale build.
         digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
-        build = cache_dir() / "extensions" / f"cpu_decode-{digest[:16]}"
+        name = f"tandem_cpu_decode_{digest[:16]}"
         try:
             from torch.utils.cpp_extension import load
 
-            build.mkdir(parents=True, exist_ok=True)
-            if not any(build.glob("*.so")):
-                logger.info("building the CPU decode fast path into %s (once)", build)
+            logger.info("loading the CPU decode fast path (the first start builds it: ~1 min)")
             _ext = load(
-                name="tandem_cpu_decode",
+                name=name,
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(build),
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a build error: stay on the eager path
@@ -135,3 +132,12 @@ def llama_stack(
         scale,
         capture,
     )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows (``x`` [M, I], ``weight`` [O, I], same dtype), reading
+    each weight row once for all rows (fp32 accumulation, output in x's dtype)."""
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError(f"the CPU decode fast path is unavailable: {unavailable_reason()}")
+    return ext.linear(x, weight)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_decode
 from models.parallel import ParallelMapping, all_gather_last_dim, all_reduce, divide
 
 # ----------------------------------------------------------------------------- weight loading
@@ -258,6 +259,23 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
+    """Route the small-batch logits of every unsharded CPU LM head in ``model`` through
+    ``kernels.cpu_decode.linear`` (the weight read once for all rows; the caller has loaded the
+    extension). Returns how many heads were switched."""
+    n = 0
+    for m in model.modules():
+        if (
+            isinstance(m, ParallelLMHead)
+            and m.mapping.tp_size == 1
+            and m.weight.device.type == "cpu"
+            and m.weight.dtype in cpu_decode.DTYPES
+        ):
+            m.fast_rows = cpu_decode.MAX_ROWS
+            n += 1
+    return n
+
+
 def pack_cpu_linears(model: nn.Module) -> int:
     """Give every bfloat16 linear and LM head of ``model`` on CPU a copy of its weight in
     oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout
@@ -492,6 +510,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head whose rows (vocabulary) are split across ranks; logits are gathered."""
 
     packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
+    fast_rows = 0  # up to this many rows go through ``kernels.cpu_decode.linear``
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.local_logits(hidden)
@@ -500,6 +519,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
+        if 0 < hidden.shape[0] <= self.fast_rows and hidden.dtype == self.weight.dtype:
+            return cpu_decode.linear(hidden, self.weight)
         if self.packed_weight is not None:
             return _packed_linear(hidden, self.packed_weight, None)
         return F.linear(hidden, self.weight)

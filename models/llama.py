@@ -21,6 +21,7 @@ from models.layers import (
     get_rope,
     rope_parameters,
     silu_and_mul,
+    use_cpu_matvec_lm_heads,
 )
 from models.parallel import ParallelMapping, adp_all_gather_rows, adp_reduce_own_rows
 from models.weights import expected_keys, load_named_weights
@@ -307,6 +308,7 @@ def enable_cpu_fast_path(model: nn.Module) -> str | None:
         reason = cpu_decode.unavailable_reason() or "the extension did not load"
     if reason is None:
         inner.fast_path = CpuStackFastPath(inner)
+        use_cpu_matvec_lm_heads(model)
     return reason
 
 

@@ -215,3 +215,21 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
         ]:
             with pytest.raises(RuntimeError, match="out of range"):
                 cpu_decode.llama_stack(**{**args, key: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_f_linear_and_is_batch_invariant(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    for rows, i, o in [(1, 576, 96), (3, 72, 45), (5, 100, 33), (cpu_decode.MAX_ROWS, 40, 17)]:
+        x = torch.randn(rows, i, generator=g).to(dtype)
+        w = torch.randn(o, i, generator=g).to(dtype)
+        got = cpu_decode.linear(x, w)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        assert got.dtype == dtype and got.shape == (rows, o)
+        # fp32 sums in another order; bf16 also rounds the output (8 bits of mantissa).
+        tol = 1e-4 if dtype == torch.float32 else 2**-7
+        assert ((got.float() - ref).abs() <= tol * ref.abs().clamp(min=1.0) * 2).all()
+        for r in range(rows):  # one row alone gives bit-identical results
+            assert torch.equal(cpu_decode.linear(x[r : r + 1], w)[0], got[r])
+    with pytest.raises(RuntimeError, match="x \\[M, I\\] and w \\[O, I\\]"):
+        cpu_decode.linear(torch.zeros(2, 8, dtype=dtype), torch.zeros(4, 9, dtype=dtype))
