@@ -174,6 +174,35 @@ void silu_mul(const T* gu, T* out, int64_t M, int64_t I) {
 
 // ---------------------------------------------------------------- attention
 
+// 16 values from p as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// q . k with q in fp32 (vectorised over 16 lanes, scalar tail).
+template <typename T>
+inline float qdot(const float* q, const T* k, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  float s = _mm512_reduce_add_ps(acc);
+  for (; d < D; ++d) s += q[d] * ld(k + d);
+  return s;
+}
+
+// acc += p * v (fp32 acc).
+template <typename T>
+inline void axpy(float* acc, float p, const T* v, int64_t D) {
+  const __m512 pv = _mm512_set1_ps(p);
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
+  }
+  for (; d < D; ++d) acc[d] += p * ld(v + d);
+}
+
 struct Paged {
   const int32_t* block_tables;
   int64_t bt_stride;
@@ -182,33 +211,49 @@ struct Paged {
   int64_t block_size;
 };
 
-inline int64_t slot_of(const Paged& p, int64_t seq, int64_t j) {
-  return static_cast<int64_t>(p.block_tables[seq * p.bt_stride + j / p.block_size]) *
-             p.block_size +
-         j % p.block_size;
-}
+// The cache slot of every key each row sees (the same for every layer of a step).
+struct KeySlots {
+  std::vector<int64_t> slots;  // row m's keys at slots[start[m] .. start[m] + kv_len[m])
+  std::vector<int64_t> start;
+  KeySlots(const Paged& p, int64_t M, int64_t num_slots) : start(M) {
+    int64_t total = 0;
+    for (int64_t m = 0; m < M; ++m) {
+      start[m] = total;
+      total += p.kv_len[m];
+    }
+    slots.resize(total);
+    for (int64_t m = 0; m < M; ++m) {
+      const int32_t* table = p.block_tables + p.row_seq[m] * p.bt_stride;
+      for (int64_t j = 0; j < p.kv_len[m]; ++j) {
+        const int64_t slot =
+            static_cast<int64_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
+        TORCH_CHECK(slot >= 0 && slot < num_slots, "block table entry is out of range");
+        slots[start[m] + j] = slot;
+      }
+    }
+  }
+};
 
 // out[m, h, :] = softmax(q k^T * scale) v over the row's keys; query head h reads kv head
 // h / (H / Hkv). fp32 scores and accumulation; probabilities rounded to T before the value sum
 // (as the CPU flash-attention kernel does for reduced precision).
 template <typename T>
 void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_cache, T* out,
-               const Paged& p, int64_t M, int64_t H, int64_t Hkv, int64_t D, float scale) {
+               const Paged& p, const KeySlots& ks, int64_t M, int64_t H, int64_t Hkv, int64_t D,
+               float scale) {
   const int64_t group = H / Hkv;
   at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(D), acc(D), scores;
     for (int64_t mh = begin; mh < end; ++mh) {
       const int64_t m = mh / H, h = mh % H, kvh = h / group;
-      const int64_t seq = p.row_seq[m], L = p.kv_len[m];
+      const int64_t L = p.kv_len[m];
+      const int64_t* slot = ks.slots.data() + ks.start[m];
       const T* qr = qkv + m * row_stride + h * D;
       for (int64_t d = 0; d < D; ++d) q[d] = ld(qr + d);
       scores.resize(L);
       float mx = -INFINITY;
       for (int64_t j = 0; j < L; ++j) {
-        const T* kr = k_cache + (slot_of(p, seq, j) * Hkv + kvh) * D;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += q[d] * ld(kr + d);
-        s *= scale;
+        const float s = qdot(q.data(), k_cache + (slot[j] * Hkv + kvh) * D, D) * scale;
         scores[j] = s;
         mx = s > mx ? s : mx;
       }
@@ -218,8 +263,7 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
         float e = std::exp(scores[j] - mx);
         sum += e;
         float pe = rnd<T>(e);
-        const T* vr = v_cache + (slot_of(p, seq, j) * Hkv + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += pe * ld(vr + d);
+        axpy(acc.data(), pe, v_cache + (slot[j] * Hkv + kvh) * D, D);
       }
       T* o = out + (m * H + h) * D;
       for (int64_t d = 0; d < D; ++d) st(o + d, acc[d] / sum);
@@ -234,52 +278,77 @@ T* ptr(const torch::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// What every layer of one step shares.
+struct Step {
+  int64_t M, H, Hkv, D, hidden;
+  float eps, scale;
+  const int64_t* pos;   // [M] positions
+  const int64_t* slot;  // [M] KV-write slots
+  const float* cos_sin;
+  const Paged& p;
+  KeySlots keys;
+  Step(int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t hidden, double eps, double scale,
+       const torch::Tensor& positions, const torch::Tensor& slots, const torch::Tensor& cos_sin,
+       const Paged& p, int64_t num_slots)
+      : M(M), H(H), Hkv(Hkv), D(D), hidden(hidden), eps(static_cast<float>(eps)),
+        scale(static_cast<float>(scale)), pos(positions.data_ptr<int64_t>()),
+        slot(slots.data_ptr<int64_t>()), cos_sin(cos_sin.data_ptr<float>()), p(p),
+        keys(p, M, num_slots) {}
+};
+
+// The attention sublayer on normed rows xin [M, in_dim]: QKV, rotary, the KV write, attention
+// over the paged cache, O projection into out [M, hidden].
 template <typename T>
-std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const torch::Tensor& positions,
-                                     const torch::Tensor& slots, const Paged& p,
+void attention_block(const Step& s, const T* xin, int64_t in_dim, const T* w_qkv, const T* w_o,
+                     T* k_cache, T* v_cache, T* out) {
+  const int64_t M = s.M, kv = s.Hkv * s.D, width = (s.H + 2 * s.Hkv) * s.D;
+  std::vector<T> qkv(M * width), attn(M * s.H * s.D);
+  matvec(xin, w_qkv, qkv.data(), M, in_dim, width);
+  rotary(qkv.data(), s.pos, s.cos_sin, M, s.H + s.Hkv, s.D, width);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = qkv.data() + m * width;
+    std::memcpy(k_cache + s.slot[m] * kv, row + s.H * s.D, kv * sizeof(T));
+    std::memcpy(v_cache + s.slot[m] * kv, row + s.H * s.D + kv, kv * sizeof(T));
+  }
+  attention(qkv.data(), width, k_cache, v_cache, attn.data(), s.p, s.keys, M, s.H, s.Hkv, s.D,
+            s.scale);
+  matvec(attn.data(), w_o, out, M, s.H * s.D, s.hidden);
+}
+
+// The MLP sublayer on rows of the residual stream: out = down(silu(gate) * up)(norm(residual)).
+template <typename T>
+void mlp_block(int64_t rows, int64_t hidden, float eps, const T* residual, const T* w_norm,
+               const T* w_gate_up, const T* w_down, int64_t inter, T* out) {
+  std::vector<T> h(rows * hidden), gu(rows * 2 * inter), act(rows * inter);
+  rms_norm(residual, w_norm, h.data(), rows, hidden, eps);
+  matvec(h.data(), w_gate_up, gu.data(), rows, hidden, 2 * inter);
+  silu_mul(gu.data(), act.data(), rows, inter);
+  matvec(act.data(), w_down, out, rows, inter, hidden);
+}
+
+template <typename T>
+std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
                                      const std::vector<torch::Tensor>& weights,
                                      const std::vector<torch::Tensor>& caches,
                                      const torch::Tensor& final_norm,
-                                     const torch::Tensor& cos_sin, int64_t H, int64_t Hkv,
-                                     int64_t D, double eps, double scale,
                                      const std::vector<int64_t>& capture) {
-  const int64_t M = x.size(0), hidden = x.size(1);
+  const int64_t M = s.M, hidden = s.hidden;
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
-  const int64_t qkv_width = (H + 2 * Hkv) * D;
   const int64_t inter = weights[5].size(1);
   auto opts = x.options();
   torch::Tensor residual = x.clone();
-  torch::Tensor h = torch::empty({M, hidden}, opts);
-  torch::Tensor qkv = torch::empty({M, qkv_width}, opts);
-  torch::Tensor attn = torch::empty({M, H * D}, opts);
-  torch::Tensor gu = torch::empty({M, 2 * inter}, opts);
-  torch::Tensor act = torch::empty({M, inter}, opts);
   torch::Tensor mlp_out = torch::empty({M, hidden}, opts);
+  std::vector<T> h(M * hidden);
   std::vector<torch::Tensor> result(1 + capture.size());
-  const float feps = static_cast<float>(eps);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = &weights[l * 6];
-    T* k_cache = ptr<T>(caches[2 * l]);
-    T* v_cache = ptr<T>(caches[2 * l + 1]);
     if (l > 0) add_into(ptr<T>(mlp_out), ptr<T>(residual), M * hidden);
-    rms_norm(ptr<T>(residual), ptr<T>(w[0]), ptr<T>(h), M, hidden, feps);
-    matvec(ptr<T>(h), ptr<T>(w[1]), ptr<T>(qkv), M, hidden, qkv_width);
-    rotary(ptr<T>(qkv), pos, cos_sin.data_ptr<float>(), M, H + Hkv, D, qkv_width);
-    for (int64_t m = 0; m < M; ++m) {
-      const T* row = ptr<T>(qkv) + m * qkv_width;
-      std::memcpy(k_cache + slot[m] * Hkv * D, row + H * D, Hkv * D * sizeof(T));
-      std::memcpy(v_cache + slot[m] * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(T));
-    }
-    attention(ptr<T>(qkv), qkv_width, k_cache, v_cache, ptr<T>(attn), p, M, H, Hkv, D,
-              static_cast<float>(scale));
-    matvec(ptr<T>(attn), ptr<T>(w[2]), ptr<T>(h), M, H * D, hidden);
-    add_into(ptr<T>(h), ptr<T>(residual), M * hidden);
-    rms_norm(ptr<T>(residual), ptr<T>(w[3]), ptr<T>(h), M, hidden, feps);
-    matvec(ptr<T>(h), ptr<T>(w[4]), ptr<T>(gu), M, hidden, 2 * inter);
-    silu_mul(ptr<T>(gu), ptr<T>(act), M, inter);
-    matvec(ptr<T>(act), ptr<T>(w[5]), ptr<T>(mlp_out), M, inter, hidden);
+    rms_norm(ptr<T>(residual), ptr<T>(w[0]), h.data(), M, hidden, s.eps);
+    attention_block(s, h.data(), hidden, ptr<T>(w[1]), ptr<T>(w[2]), ptr<T>(caches[2 * l]),
+                    ptr<T>(caches[2 * l + 1]), h.data());
+    add_into(h.data(), ptr<T>(residual), M * hidden);
+    mlp_block(M, hidden, s.eps, ptr<T>(residual), ptr<T>(w[3]), ptr<T>(w[4]), ptr<T>(w[5]), inter,
+              ptr<T>(mlp_out));
     for (size_t c = 0; c < capture.size(); ++c) {
       if (capture[c] == l) {
         torch::Tensor cap = residual.clone();
@@ -290,22 +359,55 @@ std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const torch::Tensor
   }
   add_into(ptr<T>(mlp_out), ptr<T>(residual), M * hidden);
   torch::Tensor out = torch::empty({M, hidden}, opts);
-  rms_norm(ptr<T>(residual), ptr<T>(final_norm), ptr<T>(out), M, hidden, feps);
+  rms_norm(ptr<T>(residual), ptr<T>(final_norm), ptr<T>(out), M, hidden, s.eps);
   result[0] = out;
   return result;
 }
 
+// The Eagle3 midlayer: attention over cat[norm(embeds), hidden_norm(hidden)] on every row (each
+// writes its draft KV), then the residual add and MLP on the `pick` rows only. Returns the
+// pre-norm output [P, hidden]. weights: input norm, hidden norm, QKV, O, post-attention norm,
+// gate/up, down.
+template <typename T>
+torch::Tensor run_eagle3(const torch::Tensor& embeds, const torch::Tensor& hidden_in,
+                         const std::vector<int64_t>& pick, const Step& s,
+                         const std::vector<torch::Tensor>& w, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache) {
+  const int64_t M = s.M, H = s.hidden, P = static_cast<int64_t>(pick.size());
+  std::vector<T> x(M * 2 * H), o(M * H);
+  for (int64_t m = 0; m < M; ++m) {
+    rms_norm(ptr<T>(embeds) + m * H, ptr<T>(w[0]), x.data() + m * 2 * H, 1, H, s.eps);
+    rms_norm(ptr<T>(hidden_in) + m * H, ptr<T>(w[1]), x.data() + m * 2 * H + H, 1, H, s.eps);
+  }
+  attention_block(s, x.data(), 2 * H, ptr<T>(w[2]), ptr<T>(w[3]), ptr<T>(k_cache),
+                  ptr<T>(v_cache), o.data());
+  torch::Tensor residual = torch::empty({P, H}, embeds.options());
+  for (int64_t i = 0; i < P; ++i) {
+    std::memcpy(ptr<T>(residual) + i * H, o.data() + pick[i] * H, H * sizeof(T));
+    add_into(ptr<T>(hidden_in) + pick[i] * H, ptr<T>(residual) + i * H, H);
+  }
+  torch::Tensor out = torch::empty({P, H}, embeds.options());
+  mlp_block(P, H, s.eps, ptr<T>(residual), ptr<T>(w[4]), ptr<T>(w[5]), ptr<T>(w[6]),
+            w[6].size(1), ptr<T>(out));
+  add_into(ptr<T>(residual), ptr<T>(out), P * H);
+  return out;
+}
+
 }  // namespace
 
-// Returns [final normed hidden [M, hidden], the residual stream after each capture layer].
-std::vector<torch::Tensor> llama_stack(
-    torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
-    torch::Tensor kv_len, torch::Tensor block_tables, std::vector<torch::Tensor> weights,
-    std::vector<torch::Tensor> caches, torch::Tensor final_norm, torch::Tensor cos_sin,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-    double scale, std::vector<int64_t> capture) {
+namespace {
+
+// Checks what one step's rows index (positions, write slots, sequences, key counts, caches)
+// and returns the paged-cache view of the step.
+Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
+                 const torch::Tensor& slots, const torch::Tensor& row_seq,
+                 const torch::Tensor& kv_len, const torch::Tensor& block_tables,
+                 const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& weights,
+                 const torch::Tensor& cos_sin, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, hidden] tensor");
-  TORCH_CHECK(weights.size() == caches.size() * 3, "6 weights and 2 caches per layer");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "dtype must be bfloat16 or float32");
   TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.size(1) == head_dim,
               "cos_sin must be float32 [positions, head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
@@ -331,15 +433,56 @@ std::vector<torch::Tensor> llama_stack(
     TORCH_CHECK(seq >= 0 && seq < block_tables.size(0), "row sequence is out of range");
     TORCH_CHECK(len >= 1 && len <= max_keys, "key count ", len, " is out of range");
   }
-  Paged p{block_tables.data_ptr<int32_t>(), block_tables.size(1), row_seq.data_ptr<int64_t>(),
-          kv_len.data_ptr<int64_t>(), block_size};
+  return Paged{block_tables.data_ptr<int32_t>(), block_tables.size(1),
+               row_seq.data_ptr<int64_t>(), kv_len.data_ptr<int64_t>(), block_size};
+}
+
+}  // namespace
+
+// Returns [final normed hidden [M, hidden], the residual stream after each capture layer].
+std::vector<torch::Tensor> llama_stack(
+    torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
+    torch::Tensor kv_len, torch::Tensor block_tables, std::vector<torch::Tensor> weights,
+    std::vector<torch::Tensor> caches, torch::Tensor final_norm, torch::Tensor cos_sin,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
+    double scale, std::vector<int64_t> capture) {
+  TORCH_CHECK(weights.size() == caches.size() * 3, "6 weights and 2 caches per layer");
+  const Paged p = check_step(x, positions, slots, row_seq, kv_len, block_tables, caches, weights,
+                             cos_sin, num_kv_heads, head_dim, block_size);
+  const Step s(x.size(0), num_heads, num_kv_heads, head_dim, x.size(1), eps, scale, positions,
+               slots, cos_sin, p, caches[0].numel() / (num_kv_heads * head_dim));
   if (x.scalar_type() == torch::kBFloat16) {
-    return run_stack<uint16_t>(x, positions, slots, p, weights, caches, final_norm, cos_sin,
-                               num_heads, num_kv_heads, head_dim, eps, scale, capture);
+    return run_stack<uint16_t>(x, s, weights, caches, final_norm, capture);
   }
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "dtype must be bfloat16 or float32");
-  return run_stack<float>(x, positions, slots, p, weights, caches, final_norm, cos_sin,
-                          num_heads, num_kv_heads, head_dim, eps, scale, capture);
+  return run_stack<float>(x, s, weights, caches, final_norm, capture);
+}
+
+// One Eagle3 midlayer step (see run_eagle3); `pick` empty = every row.
+torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vector<int64_t> pick,
+                           torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
+                           torch::Tensor kv_len, torch::Tensor block_tables,
+                           std::vector<torch::Tensor> weights, torch::Tensor k_cache,
+                           torch::Tensor v_cache, torch::Tensor cos_sin, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           double eps, double scale) {
+  TORCH_CHECK(weights.size() == 7, "7 weights");
+  TORCH_CHECK(hidden.sizes() == embeds.sizes() && hidden.is_contiguous() &&
+                  hidden.scalar_type() == embeds.scalar_type(),
+              "hidden must match embeds");
+  const std::vector<torch::Tensor> caches{k_cache, v_cache};
+  const Paged p = check_step(embeds, positions, slots, row_seq, kv_len, block_tables, caches,
+                             weights, cos_sin, num_kv_heads, head_dim, block_size);
+  const int64_t M = embeds.size(0);
+  if (pick.empty()) {
+    for (int64_t m = 0; m < M; ++m) pick.push_back(m);
+  }
+  for (int64_t r : pick) TORCH_CHECK(r >= 0 && r < M, "picked row ", r, " is out of range");
+  const Step s(M, num_heads, num_kv_heads, head_dim, embeds.size(1), eps, scale, positions, slots,
+               cos_sin, p, k_cache.numel() / (num_kv_heads * head_dim));
+  if (embeds.scalar_type() == torch::kBFloat16) {
+    return run_eagle3<uint16_t>(embeds, hidden, pick, s, weights, k_cache, v_cache);
+  }
+  return run_eagle3<float>(embeds, hidden, pick, s, weights, k_cache, v_cache);
 }
 
 // x [M, I] @ w[O, I]^T → [M, O] in x's dtype (each weight row read once for all M rows).
@@ -362,4 +505,5 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_stack", &llama_stack, "Llama decoder stack for small batches (CPU)");
   m.def("linear", &linear, "x @ w.T for a few rows, reading w once (CPU)");
+  m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
 }

@@ -88,6 +88,30 @@ def load_extension() -> Any | None:
         return _ext
 
 
+def _ext_or_raise() -> Any:
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError(f"the CPU decode fast path is unavailable: {unavailable_reason()}")
+    return ext
+
+
+def row_layout(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence of each row, keys each row sees) for a step's rows, sequence after sequence:
+    row ``j`` of a sequence's ``q`` query rows sees ``seq_len - q + j + 1`` keys (causal, the
+    step's own keys included), the paged attention kernels' contract."""
+    num_seqs = seq_lens.shape[0]
+    seq_lens = seq_lens.long()
+    if max_query_len == 1 and num_rows == num_seqs:  # one token per sequence
+        return torch.arange(num_rows), seq_lens.contiguous()
+    qsl = query_start_loc.long()
+    qlens = qsl[1:] - qsl[:-1]
+    row_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=num_rows)
+    j = torch.arange(num_rows) - qsl[row_seq]
+    return row_seq, (seq_lens[row_seq] - qlens[row_seq] + j + 1).contiguous()
+
+
 def llama_stack(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -109,11 +133,8 @@ def llama_stack(
     post-attention norm, gate/up, down; ``caches``: per layer K, V. ``shape``: (num_heads,
     num_kv_heads, head_dim, block_size). Row ``m`` writes its K/V at ``slots[m]`` and attends
     to the first ``kv_len[m]`` keys of sequence ``row_seq[m]``."""
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError(f"the CPU decode fast path is unavailable: {unavailable_reason()}")
     heads, kv_heads, head_dim, block_size = shape
-    return ext.llama_stack(
+    return _ext_or_raise().llama_stack(
         x,
         positions,
         slots,
@@ -137,7 +158,47 @@ def llama_stack(
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a few rows (``x`` [M, I], ``weight`` [O, I], same dtype), reading
     each weight row once for all rows (fp32 accumulation, output in x's dtype)."""
-    ext = load_extension()
-    if ext is None:
-        raise RuntimeError(f"the CPU decode fast path is unavailable: {unavailable_reason()}")
-    return ext.linear(x, weight)
+    return _ext_or_raise().linear(x, weight)
+
+
+def eagle3_layer(
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    pick: list[int],
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    row_seq: torch.Tensor,
+    kv_len: torch.Tensor,
+    block_tables: torch.Tensor,
+    weights: list[torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    cos_sin: torch.Tensor,
+    shape: tuple[int, int, int, int],
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """The Eagle3 midlayer: attention over ``cat[norm(embeds), hidden_norm(hidden)]`` on every
+    row (each writes its draft KV), residual add and MLP on the ``pick`` rows (empty: all).
+    ``weights``: input norm, hidden norm, QKV, O, post-attention norm, gate/up, down. Returns
+    the pre-norm output [len(pick) or M, hidden]."""
+    heads, kv_heads, head_dim, block_size = shape
+    return _ext_or_raise().eagle3_layer(
+        embeds,
+        hidden,
+        pick,
+        positions,
+        slots,
+        row_seq,
+        kv_len,
+        block_tables,
+        weights,
+        caches[0],
+        caches[1],
+        cos_sin,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        eps,
+        scale,
+    )

@@ -10,16 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_decode
 from models.attention import AttentionMetadata
 from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
-from models.llama import LlamaAttention, LlamaMLP
+from models.llama import LlamaAttention, LlamaMLP, fast_layer_unsupported, fast_path_accepts
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
 
 
 class Eagle3MidLayer(nn.Module):
     supports_pick_rows = True
+    fast_path: Eagle3FastPath | None = None  # set by ``enable_cpu_fast_draft``
 
     def __init__(self, config: Any, mapping: ParallelMapping) -> None:
         super().__init__()
@@ -42,10 +44,88 @@ class Eagle3MidLayer(nn.Module):
     ) -> torch.Tensor:
         """Attention on every row (it writes the draft KV of each); the rest only on
         ``pick_rows`` when given. Returns the pre-norm output, [len(pick_rows) or T, H]."""
+        if self.fast_path is not None and self.fast_path.accepts(embeds, meta):
+            return self.fast_path(positions, embeds, hidden, meta, pick_rows)
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         x = self.self_attn(positions, x, meta)
         return post_attention(self, x, residual, meta, pick_rows)
+
+
+class Eagle3FastPath:
+    """The midlayer through ``kernels/cpu_decode`` for steps of at most ``MAX_ROWS`` rows (the
+    eager ``Eagle3MidLayer.forward`` is its reference and runs every other step)."""
+
+    def __init__(self, layer: Eagle3MidLayer) -> None:
+        attn = layer.self_attn
+        self.attention = attn.attn
+        self.weights = [w.detach() for w in self.layer_weights(layer)]
+        self.dtype = self.weights[0].dtype
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.eps = float(layer.input_layernorm.eps)
+        self.scale = float(attn.attn.scale)
+        self.cos_sin = attn.rotary_emb.cos_sin
+
+    @staticmethod
+    def layer_weights(layer: Eagle3MidLayer) -> tuple[torch.Tensor, ...]:
+        """In the extension's order: input norm, hidden norm, QKV, O, post-attention norm,
+        gate/up, down."""
+        return (
+            layer.input_layernorm.weight,
+            layer.hidden_norm.weight,
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+
+    def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return embeds.dtype == self.dtype and fast_path_accepts(
+            embeds.shape[0], meta, self.attention, self.dtype
+        )
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        row_seq, kv_len = cpu_decode.row_layout(
+            meta.seq_lens, meta.query_start_loc, meta.max_query_len, embeds.shape[0]
+        )
+        caches = (self.attention.k_cache, self.attention.v_cache)
+        return cpu_decode.eagle3_layer(
+            embeds.contiguous(),
+            hidden.to(self.dtype).contiguous(),
+            [] if pick_rows is None else pick_rows.tolist(),
+            positions.long().contiguous(),
+            meta.slot_mapping.long().contiguous(),
+            row_seq,
+            kv_len,
+            meta.block_tables.to(torch.int32).contiguous(),
+            self.weights,
+            caches,
+            self.cos_sin,
+            (*self.shape, caches[0].shape[1]),
+            self.eps,
+            self.scale,
+        )
+
+
+def enable_cpu_fast_draft(draft: nn.Module) -> str | None:
+    """Give an Eagle3 draft's midlayer the CPU fast path when it qualifies (the caller has
+    loaded the extension); returns why not (None: enabled)."""
+    if not isinstance(draft, Eagle3Draft):
+        return "not an Eagle3 draft"
+    layer = draft.midlayer
+    weights = Eagle3FastPath.layer_weights(layer)
+    reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
+    if reason is None:
+        layer.fast_path = Eagle3FastPath(layer)
+    return reason
 
 
 class Eagle3Draft(DraftHead):

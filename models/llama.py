@@ -177,6 +177,46 @@ class LlamaModel(nn.Module):
         return hidden, [captured[i] for i in capture_layers]
 
 
+def fast_layer_unsupported(
+    attn: nn.Module, mlp: nn.Module, weights: tuple[torch.Tensor, ...]
+) -> str | None:
+    """Why a layer's attention and MLP cannot run in ``kernels/cpu_decode`` (None: they can):
+    plain Llama modules, one rank, full neox rotary, no q/k norms or biases, ``weights`` on the
+    CPU in one supported dtype."""
+    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return "not a plain Llama decoder stack"
+    if mlp.mapping.tp_size != 1 or mlp.mapping.uses_adp_collectives:
+        return "tensor or attention parallelism"
+    rope = attn.rotary_emb
+    if type(rope) is not RotaryEmbedding or rope.interleaved:
+        return "a rotary variant other than neox"
+    if rope.rotary_dim != attn.head_dim or attn.head_dim % 2:
+        return "partial rotary"
+    if attn.q_norm is not None or attn.qkv_proj.bias is not None or attn.o_proj.bias is not None:
+        return "q/k norms or projection biases"
+    dtype = weights[0].dtype
+    if dtype not in cpu_decode.DTYPES:
+        return f"dtype {dtype}"
+    if any(w.device.type != "cpu" or w.dtype != dtype for w in weights):
+        return "weights off the CPU or in mixed dtypes"
+    return None
+
+
+def fast_path_accepts(
+    rows: int, meta: AttentionMetadata, attn: PagedAttention, dtype: torch.dtype
+) -> bool:
+    """Whether a step of ``rows`` rows with ``meta`` can run in ``kernels/cpu_decode``."""
+    k_cache = attn.k_cache
+    return (
+        isinstance(meta, AttentionMetadata)
+        and 0 < rows <= cpu_decode.MAX_ROWS
+        and meta.all_rank_num_tokens is None
+        and k_cache.dtype == dtype
+        and k_cache.dim() == 4
+        and bool((meta.slot_mapping >= 0).all())
+    )
+
+
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
     at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
@@ -213,48 +253,17 @@ class CpuStackFastPath:
         layers = list(model.layers)
         if not layers:
             return "no layers"
-        if any(
-            type(layer) is not LlamaDecoderLayer
-            or type(layer.self_attn) is not LlamaAttention
-            or type(layer.mlp) is not LlamaMLP
-            for layer in layers
-        ):
+        if any(type(layer) is not LlamaDecoderLayer for layer in layers):
             return "not a plain Llama decoder stack"
-        attn0 = layers[0].self_attn
-        mapping = layers[0].mlp.mapping
-        if mapping.tp_size != 1 or mapping.uses_adp_collectives:
-            return "tensor or attention parallelism"
-        rope = attn0.rotary_emb
-        if type(rope) is not RotaryEmbedding or rope.interleaved:
-            return "a rotary variant other than neox"
-        if rope.rotary_dim != attn0.head_dim or attn0.head_dim % 2:
-            return "partial rotary"
-        dtype = model.norm.weight.dtype
-        if dtype not in cpu_decode.DTYPES:
-            return f"dtype {dtype}"
         for layer in layers:
-            attn = layer.self_attn
-            if (
-                attn.q_norm is not None
-                or attn.qkv_proj.bias is not None
-                or attn.o_proj.bias is not None
-            ):
-                return "q/k norms or projection biases"
             weights = CpuStackFastPath.layer_weights(layer)
-            if any(w.device.type != "cpu" or w.dtype != dtype for w in weights):
-                return "weights off the CPU or in mixed dtypes"
+            reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
+            if reason is not None:
+                return reason
         return None
 
     def accepts(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        k_cache = self.attention[0].k_cache
-        return (
-            isinstance(meta, AttentionMetadata)
-            and 0 < input_ids.shape[0] <= cpu_decode.MAX_ROWS
-            and meta.all_rank_num_tokens is None
-            and k_cache.dtype == self.dtype
-            and k_cache.dim() == 4
-            and bool((meta.slot_mapping >= 0).all())
-        )
+        return fast_path_accepts(input_ids.shape[0], meta, self.attention[0], self.dtype)
 
     def __call__(
         self,
@@ -263,25 +272,16 @@ class CpuStackFastPath:
         meta: AttentionMetadata,
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        t = input_ids.shape[0]
-        num_seqs = meta.seq_lens.shape[0]
-        seq_lens = meta.seq_lens.long()
-        if meta.max_query_len == 1 and t == num_seqs:  # one token per sequence
-            row_seq = torch.arange(t)
-            kv_len = seq_lens
-        else:  # row j of a sequence's q query rows sees seq_len - q + j + 1 keys
-            qsl = meta.query_start_loc.long()
-            qlens = qsl[1:] - qsl[:-1]
-            row_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=t)
-            j = torch.arange(t) - qsl[row_seq]
-            kv_len = seq_lens[row_seq] - qlens[row_seq] + j + 1
+        row_seq, kv_len = cpu_decode.row_layout(
+            meta.seq_lens, meta.query_start_loc, meta.max_query_len, input_ids.shape[0]
+        )
         caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
         out = cpu_decode.llama_stack(
             self.model.embed_tokens(input_ids).contiguous(),
             positions.long().contiguous(),
             meta.slot_mapping.long().contiguous(),
             row_seq,
-            kv_len.contiguous(),
+            kv_len,
             meta.block_tables.to(torch.int32).contiguous(),
             self.weights,
             caches,

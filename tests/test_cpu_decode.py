@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from checkpoints import build_eagle3_draft, build_llama, hf_greedy
 from engine import LLM, SamplingParams
 from kernels import cpu_decode
+from models.attention import AttentionMetadata
 from models.llama import CpuStackFastPath, LlamaModel, enable_cpu_fast_path
 
 MISSING = [f for f in cpu_decode.REQUIRED_FLAGS if f not in cpu_decode.cpu_flags()]
@@ -31,60 +33,67 @@ def inner_model(llm: LLM) -> LlamaModel:
     return model
 
 
-@contextmanager
-def checked_against_eager(model: LlamaModel, records: list[dict[str, Any]]) -> Iterator[None]:
-    """Every fast-path step also runs the eager layers on a copy of the KV cache first; the
-    differences (hidden, captured, cache) are recorded per step."""
-    fast = model.fast_path
-    assert fast is not None, "the fast path is off"
+def _outputs(result: Any) -> list[torch.Tensor]:
+    """A stack's (hidden, captured) or a draft layer's tensor, as one list."""
+    if isinstance(result, tuple):
+        return [result[0], *result[1]]
+    return [result]
 
-    def step(
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: Any,
-        capture_layers: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        before = [(a.k_cache.clone(), a.v_cache.clone()) for a in fast.attention]
-        model.fast_path = None
-        ref, ref_cap = model(input_ids, positions, meta, capture_layers)
-        model.fast_path = checker
-        ref_kv = [(a.k_cache.clone(), a.v_cache.clone()) for a in fast.attention]
-        for a, (k, v) in zip(fast.attention, before, strict=True):
+
+@contextmanager
+def checked_against_eager(owner: nn.Module, records: list[dict[str, Any]]) -> Iterator[None]:
+    """Every fast-path step of ``owner`` (a ``LlamaModel`` or an ``Eagle3MidLayer``) also runs
+    its eager forward on a copy of the KV cache first; the differences (outputs: hidden, then
+    captured layers; cache) are recorded per step."""
+    fast = owner.fast_path
+    assert fast is not None, "the fast path is off"
+    attention = fast.attention if isinstance(fast.attention, list) else [fast.attention]
+
+    def step(*args: Any) -> Any:
+        meta = next(a for a in args if isinstance(a, AttentionMetadata))
+        before = [(a.k_cache.clone(), a.v_cache.clone()) for a in attention]
+        owner.fast_path = None
+        ref = _outputs(owner(*args))
+        owner.fast_path = checker
+        ref_kv = [(a.k_cache.clone(), a.v_cache.clone()) for a in attention]
+        for a, (k, v) in zip(attention, before, strict=True):
             a.k_cache.copy_(k)
             a.v_cache.copy_(v)
-        out, cap = fast(input_ids, positions, meta, capture_layers)
+        result = fast(*args)
+        out = _outputs(result)
         kv = max(
             max((a.k_cache - k).abs().max().item(), (a.v_cache - v).abs().max().item())
-            for a, (k, v) in zip(fast.attention, ref_kv, strict=True)
+            for a, (k, v) in zip(attention, ref_kv, strict=True)
         )
+        diffs = [(o.float() - r.float()).abs().max().item() for o, r in zip(out, ref, strict=True)]
         records.append(
             {
-                "rows": input_ids.shape[0],
+                "rows": meta.slot_mapping.shape[0],
                 "seqs": meta.seq_lens.shape[0],
-                "hidden": (out.float() - ref.float()).abs().max().item(),
-                "scale": ref.float().abs().max().item(),
-                "captured": [
-                    (c.float() - r.float()).abs().max().item()
-                    for c, r in zip(cap, ref_cap, strict=True)
-                ],
+                "out_rows": out[0].shape[0],
+                "hidden": diffs[0],
+                "captured": diffs[1:],
+                "scale": ref[0].float().abs().max().item(),
                 "kv": kv,
             }
         )
-        return out, cap
+        return result
 
     class Checker:
         accepts = fast.accepts
-        attention = fast.attention
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return step(*args, **kwargs)
+        def __init__(self) -> None:
+            self.attention = fast.attention
+
+        def __call__(self, *args: Any) -> Any:
+            return step(*args)
 
     checker = Checker()
-    model.fast_path = checker  # type: ignore[assignment]
+    owner.fast_path = checker
     try:
         yield
     finally:
-        model.fast_path = fast
+        owner.fast_path = fast
 
 
 @pytest.fixture(scope="module")
@@ -123,23 +132,28 @@ def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculative_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype: str) -> None:
-    """Eagle3 verification: K + 1 causal rows per sequence and captured layers."""
+    """Eagle3 verification (K + 1 causal rows per sequence, captured layers) and the draft
+    midlayer (every row's draft KV, the MLP on picked rows only)."""
     draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     records: list[dict[str, Any]] = []
+    drafts: list[dict[str, Any]] = []
     with LLM(str(tiny), dtype=dtype, max_num_seqs=4, speculative_config=spec) as llm:
         model = inner_model(llm)
-        with checked_against_eager(model, records):
+        midlayer = llm.engine.executor.worker.runner.spec.draft.midlayer
+        with checked_against_eager(model, records), checked_against_eager(midlayer, drafts):
             llm.generate(PROMPTS[:3], params)
     verify = [r for r in records if r["rows"] == 4 * r["seqs"]]
     assert verify, records
     assert all(len(r["captured"]) == 3 for r in records)
+    assert any(r["out_rows"] < r["rows"] for r in drafts), "no row-picked draft step"
+    assert any(r["rows"] == r["seqs"] for r in drafts), "no later draft step"
     # bf16: the two paths round the same values but sum in different orders.
     tol = 1e-4 if dtype == "float32" else 0.03
-    for r in records:
+    for r in records + drafts:
         assert r["hidden"] <= tol * max(1.0, r["scale"]), r
-        assert max(r["captured"]) <= tol * max(1.0, r["scale"]) * 4, r
+        assert all(c <= tol * max(1.0, r["scale"]) * 4 for c in r["captured"]), r
         assert r["kv"] <= tol * 4, r
 
 
@@ -212,6 +226,7 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
             ("slots", torch.tensor([-1])),
             ("kv_len", torch.tensor([10**6])),
             ("row_seq", torch.tensor([3])),
+            ("block_tables", torch.full((1, 1), 10**6, dtype=torch.int32)),
         ]:
             with pytest.raises(RuntimeError, match="out of range"):
                 cpu_decode.llama_stack(**{**args, key: value})  # type: ignore[arg-type]

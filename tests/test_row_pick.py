@@ -142,6 +142,9 @@ def test_resolver_caches_and_reevaluates(folders, monkeypatch) -> None:
 def test_engine_step0_post_attention_rows(folders, monkeypatch, disable: bool) -> None:
     if disable:
         monkeypatch.setenv("TLLM_SPEC_DISABLE_DRAFT_ROW_PICK", "1")
+    # The hook watches the eager modules; the CPU fast path (which picks the same rows, see
+    # tests/test_cpu_decode.py) would bypass them.
+    monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
     target, draft = folders
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
     with LLM(str(target), speculative_config=spec) as llm:
