@@ -29,8 +29,8 @@ def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | 
 
     With none given the built-in model serves without speculation: the shipped heads reach about
     1.3 tokens per step on the eval set (see their cards), and at that rate a K = 3 step costs more
-    than it gains on a CPU. ``DEFAULT_METHOD`` becomes the default once a head trained on the full
-    prompt set clears 2 tokens per step."""
+    than it gains on a CPU. ``DEFAULT_METHOD`` becomes the default once a head clears 2 tokens per
+    step."""
     if spec is None:
         return None
     method = spec.get("method")
