@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,30 +96,52 @@ def _ext_or_raise() -> Any:
     return ext
 
 
-def row_layout(
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, num_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence of each row, keys each row sees) for a step's rows, sequence after sequence:
-    row ``j`` of a sequence's ``q`` query rows sees ``seq_len - q + j + 1`` keys (causal, the
-    step's own keys included), the paged attention kernels' contract."""
-    num_seqs = seq_lens.shape[0]
+@dataclass(frozen=True)
+class StepRows:
+    """What a step's rows index, in the extension's types: row ``m`` sits at ``positions[m]``,
+    writes its K/V at ``slots[m]`` and attends to the first ``kv_len[m]`` keys of sequence
+    ``row_seq[m]`` (whose blocks are row ``row_seq[m]`` of ``block_tables``)."""
+
+    positions: torch.Tensor  # [M] int64
+    slots: torch.Tensor  # [M] int64
+    row_seq: torch.Tensor  # [M] int64
+    kv_len: torch.Tensor  # [M] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+
+
+def step_rows(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+) -> StepRows:
+    """A step's rows, sequence after sequence: row ``j`` of a sequence's ``q`` query rows sees
+    ``seq_len - q + j + 1`` keys (causal, the step's own keys included), the paged attention
+    kernels' contract."""
+    num_rows, num_seqs = positions.shape[0], seq_lens.shape[0]
     seq_lens = seq_lens.long()
     if max_query_len == 1 and num_rows == num_seqs:  # one token per sequence
-        return torch.arange(num_rows), seq_lens.contiguous()
-    qsl = query_start_loc.long()
-    qlens = qsl[1:] - qsl[:-1]
-    row_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=num_rows)
-    j = torch.arange(num_rows) - qsl[row_seq]
-    return row_seq, (seq_lens[row_seq] - qlens[row_seq] + j + 1).contiguous()
+        row_seq, kv_len = torch.arange(num_rows), seq_lens
+    else:
+        qsl = query_start_loc.long()
+        qlens = qsl[1:] - qsl[:-1]
+        row_seq = torch.repeat_interleave(torch.arange(num_seqs), qlens, output_size=num_rows)
+        j = torch.arange(num_rows) - qsl[row_seq]
+        kv_len = seq_lens[row_seq] - qlens[row_seq] + j + 1
+    return StepRows(
+        positions.long().contiguous(),
+        slot_mapping.long().contiguous(),
+        row_seq,
+        kv_len.contiguous(),
+        block_tables.to(torch.int32).contiguous(),
+    )
 
 
 def llama_stack(
     x: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    row_seq: torch.Tensor,
-    kv_len: torch.Tensor,
-    block_tables: torch.Tensor,
+    rows: StepRows,
     weights: list[torch.Tensor],
     caches: list[torch.Tensor],
     final_norm: torch.Tensor,
@@ -131,28 +154,14 @@ def llama_stack(
     """One call of the extension: ``x`` [M, hidden] embeddings → [final normed hidden, the
     residual stream after each ``capture`` layer]. ``weights``: per layer input norm, QKV, O,
     post-attention norm, gate/up, down; ``caches``: per layer K, V. ``shape``: (num_heads,
-    num_kv_heads, head_dim, block_size). Row ``m`` writes its K/V at ``slots[m]`` and attends
-    to the first ``kv_len[m]`` keys of sequence ``row_seq[m]``."""
-    heads, kv_heads, head_dim, block_size = shape
+    num_kv_heads, head_dim, block_size)."""
     return _ext_or_raise().llama_stack(
-        x,
-        positions,
-        slots,
-        row_seq,
-        kv_len,
-        block_tables,
-        weights,
-        caches,
-        final_norm,
-        cos_sin,
-        heads,
-        kv_heads,
-        head_dim,
-        block_size,
-        eps,
-        scale,
-        capture,
+        x, *_row_args(rows), weights, caches, final_norm, cos_sin, *shape, eps, scale, capture
     )
+
+
+def _row_args(rows: StepRows) -> tuple[torch.Tensor, ...]:
+    return rows.positions, rows.slots, rows.row_seq, rows.kv_len, rows.block_tables
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -165,11 +174,7 @@ def eagle3_layer(
     embeds: torch.Tensor,
     hidden: torch.Tensor,
     pick: list[int],
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    row_seq: torch.Tensor,
-    kv_len: torch.Tensor,
-    block_tables: torch.Tensor,
+    rows: StepRows,
     weights: list[torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     cos_sin: torch.Tensor,
@@ -181,24 +186,6 @@ def eagle3_layer(
     row (each writes its draft KV), residual add and MLP on the ``pick`` rows (empty: all).
     ``weights``: input norm, hidden norm, QKV, O, post-attention norm, gate/up, down. Returns
     the pre-norm output [len(pick) or M, hidden]."""
-    heads, kv_heads, head_dim, block_size = shape
     return _ext_or_raise().eagle3_layer(
-        embeds,
-        hidden,
-        pick,
-        positions,
-        slots,
-        row_seq,
-        kv_len,
-        block_tables,
-        weights,
-        caches[0],
-        caches[1],
-        cos_sin,
-        heads,
-        kv_heads,
-        head_dim,
-        block_size,
-        eps,
-        scale,
+        embeds, hidden, pick, *_row_args(rows), weights, *caches, cos_sin, *shape, eps, scale
     )

@@ -14,7 +14,13 @@ from kernels import cpu_decode
 from models.attention import AttentionMetadata
 from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
-from models.llama import LlamaAttention, LlamaMLP, fast_layer_unsupported, fast_path_accepts
+from models.llama import (
+    LlamaAttention,
+    LlamaMLP,
+    fast_layer_unsupported,
+    fast_path_accepts,
+    fast_step_rows,
+)
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
 
@@ -93,19 +99,12 @@ class Eagle3FastPath:
         meta: AttentionMetadata,
         pick_rows: torch.Tensor | None,
     ) -> torch.Tensor:
-        row_seq, kv_len = cpu_decode.row_layout(
-            meta.seq_lens, meta.query_start_loc, meta.max_query_len, embeds.shape[0]
-        )
         caches = (self.attention.k_cache, self.attention.v_cache)
         return cpu_decode.eagle3_layer(
             embeds.contiguous(),
             hidden.to(self.dtype).contiguous(),
             [] if pick_rows is None else pick_rows.tolist(),
-            positions.long().contiguous(),
-            meta.slot_mapping.long().contiguous(),
-            row_seq,
-            kv_len,
-            meta.block_tables.to(torch.int32).contiguous(),
+            fast_step_rows(positions, meta),
             self.weights,
             caches,
             self.cos_sin,

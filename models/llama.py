@@ -217,6 +217,18 @@ def fast_path_accepts(
     )
 
 
+def fast_step_rows(positions: torch.Tensor, meta: AttentionMetadata) -> cpu_decode.StepRows:
+    """The step's row layout for ``kernels/cpu_decode``."""
+    return cpu_decode.step_rows(
+        positions,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+    )
+
+
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
     at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
@@ -272,17 +284,10 @@ class CpuStackFastPath:
         meta: AttentionMetadata,
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        row_seq, kv_len = cpu_decode.row_layout(
-            meta.seq_lens, meta.query_start_loc, meta.max_query_len, input_ids.shape[0]
-        )
         caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
         out = cpu_decode.llama_stack(
             self.model.embed_tokens(input_ids).contiguous(),
-            positions.long().contiguous(),
-            meta.slot_mapping.long().contiguous(),
-            row_seq,
-            kv_len,
-            meta.block_tables.to(torch.int32).contiguous(),
+            fast_step_rows(positions, meta),
             self.weights,
             caches,
             self.model.norm.weight.detach(),

@@ -4,6 +4,7 @@ transformers', and whatever it cannot run falls back to the eager path."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,7 +184,16 @@ def test_large_steps_and_unsupported_models_use_the_eager_path(
         assert len(records) == 2  # the 39-token prefill ran eager; both decode steps fast
         fast = model.fast_path
         assert fast is not None
-        assert not fast.accepts(torch.zeros(cpu_decode.MAX_ROWS + 1, dtype=torch.long), None)  # type: ignore[arg-type]
+        for n, accepted in [(cpu_decode.MAX_ROWS, True), (cpu_decode.MAX_ROWS + 1, False)]:
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n),
+                block_tables=torch.zeros(1, 4, dtype=torch.int32),
+                seq_lens=torch.tensor([n], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                max_query_len=n,
+                max_seq_len=n,
+            )
+            assert fast.accepts(torch.zeros(n, dtype=torch.long), meta) is accepted
 
     qwen3 = build_llama(tmp_path / "qwen3", arch="qwen3", head_dim=16)
     with LLM(str(qwen3), dtype="float32") as llm:
@@ -203,13 +213,16 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
         assert fast is not None
         h = fast.weights[0].shape[0]
         caches = [c for a in fast.attention for c in (a.k_cache, a.v_cache)]
-        args = dict(
-            x=torch.zeros(1, h),
+        rows = cpu_decode.StepRows(
             positions=torch.tensor([0]),
             slots=torch.tensor([0]),
             row_seq=torch.tensor([0]),
             kv_len=torch.tensor([1]),
             block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        )
+        args = dict(
+            x=torch.zeros(1, h),
+            rows=rows,
             weights=fast.weights,
             caches=caches,
             final_norm=fast.weights[0],
@@ -228,8 +241,9 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
             ("row_seq", torch.tensor([3])),
             ("block_tables", torch.full((1, 1), 10**6, dtype=torch.int32)),
         ]:
+            bad = dataclasses.replace(rows, **{key: value})
             with pytest.raises(RuntimeError, match="out of range"):
-                cpu_decode.llama_stack(**{**args, key: value})  # type: ignore[arg-type]
+                cpu_decode.llama_stack(**{**args, "rows": bad})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
