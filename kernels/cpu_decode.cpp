@@ -4,9 +4,9 @@
 // once per step and, in eager PyTorch, by the dispatch of the ~25 small operators each layer
 // runs. This file runs every layer of the stack for M <= a few dozen rows without returning to
 // Python: RMSNorm (+ residual), fused QKV, rotary, the paged KV write, attention over the paged
-// cache, O projection, gate/up, SiLU-and-mul and down, with matrix-vector products that read
-// each weight row once for all M rows (AVX-512 BF16 dot products for bfloat16, AVX-512 FMA for
-// float32). Values are rounded to the model dtype at the same points as the eager modules in
+// cache, O projection, gate/up, SiLU-and-mul and down, with matrix products that read each
+// weight once for all M rows from a copy packed for them (``pack``; AVX-512 BF16 for bfloat16,
+// AVX-512 FMA for float32). Values are rounded to the model dtype at the same points as the eager modules in
 // models/llama.py and models/layers.py (their reference). Built at first use by
 // kernels/cpu_decode.py.
 
@@ -52,64 +52,121 @@ inline float rnd(float v) {  // v rounded through T
 
 // ---------------------------------------------------------------- matrix-vector products
 
-// Dot products of one weight row with R activation rows (fp32 accumulation): the weight
-// vector is loaded once for all R rows, and the R independent accumulator chains hide the FMA
-// latency. Tails (n not a multiple of the vector width) are summed in scalar code. (Blocking
-// several weight rows as well measured slower for bfloat16 on the development machine.)
-template <int R>
-inline void dots(const float* w, const float* x, int64_t n, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 a = _mm512_loadu_ps(w + i);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + r * n + i), acc[r]);
-    }
-  }
+// Weights are packed once (``pack``) so that 16 consecutive output features sit side by side:
+// bfloat16 [ceil(O/16), ceil(K/2), 16, 2] (pairs along K, the operand layout of vdpbf16ps),
+// float32 [ceil(O/16), K, 16]. Padding is zero. A tile keeps R rows x NB blocks of 16 outputs
+// in registers and, for each K step, loads NB weight vectors and broadcasts one activation
+// (pair) per row: no horizontal sums, each weight vector used by R rows. Output feature o of
+// every row sums K in the same order whatever the tile (batch-invariant results).
+constexpr int64_t LANES = 16;
+constexpr int NB = 4;     // blocks of 16 outputs per tile
+constexpr int R_MAX = 6;  // rows per tile: 6 x 4 accumulators + 4 weights fit 32 registers
+
+struct Mat {
+  const void* p;
+  int64_t O, K;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <int R, int W>
+inline void store_tile(__m512 (&acc)[R][W], float* y, int64_t m, int64_t o0, int64_t O) {
   for (int r = 0; r < R; ++r) {
-    float s = _mm512_reduce_add_ps(acc[r]);
-    for (int64_t j = i; j < n; ++j) s += w[j] * x[r * n + j];
-    out[r] = s;
+    for (int j = 0; j < W; ++j) {
+      const int64_t o = o0 + j * LANES;
+      if (o + LANES <= O) {
+        _mm512_storeu_ps(y + (m + r) * O + o, acc[r][j]);
+      } else if (o < O) {
+        _mm512_mask_storeu_ps(y + (m + r) * O + o, static_cast<__mmask16>((1u << (O - o)) - 1),
+                              acc[r][j]);
+      }
+    }
   }
 }
-template <int R>
-inline void dots(const uint16_t* w, const uint16_t* x, int64_t n, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    __m512bh a = (__m512bh)_mm512_loadu_si512(w + i);
-    for (int r = 0; r < R; ++r) {
-      __m512bh b = (__m512bh)_mm512_loadu_si512(x + r * n + i);
-      acc[r] = _mm512_dpbf16_ps(acc[r], a, b);
-    }
-  }
+template <int R, int W>
+inline void store_tile(__m512 (&acc)[R][W], uint16_t* y, int64_t m, int64_t o0, int64_t O) {
   for (int r = 0; r < R; ++r) {
-    float s = _mm512_reduce_add_ps(acc[r]);
-    for (int64_t j = i; j < n; ++j) s += ld(w + j) * ld(x + r * n + j);
-    out[r] = s;
+    for (int j = 0; j < W; ++j) {
+      const int64_t o = o0 + j * LANES;
+      if (o >= O) continue;
+      // Round to nearest even, as c10::BFloat16 does (NaN stays NaN).
+      alignas(64) float v[LANES];
+      _mm512_store_ps(v, acc[r][j]);
+      for (int64_t t = 0; t < LANES && o + t < O; ++t) st(y + (m + r) * O + o + t, v[t]);
+    }
   }
 }
 
-// y[m .. m+R, o] for weight row o.
-template <typename T, int R>
-inline void tile(const T* x, const T* w, T* y, int64_t m, int64_t o, int64_t I, int64_t O) {
-  float r[R];
-  dots<R>(w + o * I, x + m * I, I, r);
-  for (int b = 0; b < R; ++b) st(y + (m + b) * O + o, r[b]);
+// y[m .. m+R, 16 b .. 16 (b+W)] from packed weight blocks b .. b+W.
+template <int R, int W>
+inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_t b) {
+  const int64_t K = w.K, kp_stride = ceil_div(K, 2);
+  const uint16_t* pb = static_cast<const uint16_t*>(w.p) + b * kp_stride * 2 * LANES;
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
+  // One K pair: pair(r) is row r's two activations as one 32-bit word.
+  auto step = [&](int64_t kp, auto pair) {
+    __m512bh wv[W];
+    for (int j = 0; j < W; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(pb + (j * kp_stride + kp) * 2 * LANES);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair(r)));
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+    }
+  };
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    step(kp, [&](int r) {
+      uint32_t v;
+      std::memcpy(&v, x + (m + r) * K + 2 * kp, 4);
+      return v;
+    });
+  }
+  if (K % 2) {  // the last activation pairs with the packed zero
+    step(K / 2, [&](int r) { return static_cast<uint32_t>(x[(m + r) * K + K - 1]); });
+  }
+  store_tile<R, W>(acc, y, m, b * LANES, w.O);
+}
+template <int R, int W>
+inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b) {
+  const int64_t K = w.K;
+  const float* pb = static_cast<const float*>(w.p) + b * K * LANES;
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = _mm512_loadu_ps(pb + (j * K + k) * LANES);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[(m + r) * K + k]);
+      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xb, acc[r][j]);
+    }
+  }
+  store_tile<R, W>(acc, y, m, b * LANES, w.O);
 }
 
-// y[m, o] = sum_i x[m, i] * w[o, i] for m < M: each weight row is read once for all rows.
-// Every (m, o) product is summed in the same order whatever M is (batch-invariant results).
+// All M rows for blocks b .. b+W.
+template <typename T, int W>
+inline void rows(const T* x, const Mat& w, T* y, int64_t M, int64_t b) {
+  int64_t m = 0;
+  for (; m + R_MAX <= M; m += R_MAX) tile<R_MAX, W>(x, w, y, m, b);
+  for (; m + 4 <= M; m += 4) tile<4, W>(x, w, y, m, b);
+  for (; m + 2 <= M; m += 2) tile<2, W>(x, w, y, m, b);
+  for (; m < M; ++m) tile<1, W>(x, w, y, m, b);
+}
+
+// y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed.
 template <typename T>
-void matvec(const T* x, const T* w, T* y, int64_t M, int64_t I, int64_t O) {
-  at::parallel_for(0, O, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) tile<T, 4>(x, w, y, m, o, I, O);
-      for (; m + 2 <= M; m += 2) tile<T, 2>(x, w, y, m, o, I, O);
-      for (; m < M; ++m) tile<T, 1>(x, w, y, m, o, I, O);
+void matvec(const T* x, const Mat& w, T* y, int64_t M) {
+  const int64_t blocks = ceil_div(w.O, LANES), groups = ceil_div(blocks, NB);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      if ((g + 1) * NB <= blocks) {
+        rows<T, NB>(x, w, y, M, g * NB);
+      } else {
+        for (int64_t b = g * NB; b < blocks; ++b) rows<T, 1>(x, w, y, M, b);
+      }
     }
   });
 }
@@ -278,19 +335,30 @@ T* ptr(const torch::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
+// A weight packed by ``pack`` for an [O, K] matrix, checked against that shape.
+Mat packed(const torch::Tensor& t, int64_t O, int64_t K) {
+  const bool bf16 = t.scalar_type() == torch::kBFloat16;
+  const std::vector<int64_t> want =
+      bf16 ? std::vector<int64_t>{ceil_div(O, LANES), ceil_div(K, 2), LANES, 2}
+           : std::vector<int64_t>{ceil_div(O, LANES), K, LANES};
+  TORCH_CHECK(t.is_contiguous() && t.sizes().vec() == want,
+              "a packed weight does not match its shape [", O, ", ", K, "]: got ", t.sizes());
+  return Mat{t.data_ptr(), O, K};
+}
+
 // What every layer of one step shares.
 struct Step {
-  int64_t M, H, Hkv, D, hidden;
+  int64_t M, H, Hkv, D, hidden, inter;
   float eps, scale;
   const int64_t* pos;   // [M] positions
   const int64_t* slot;  // [M] KV-write slots
   const float* cos_sin;
   const Paged& p;
   KeySlots keys;
-  Step(int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t hidden, double eps, double scale,
-       const torch::Tensor& positions, const torch::Tensor& slots, const torch::Tensor& cos_sin,
-       const Paged& p, int64_t num_slots)
-      : M(M), H(H), Hkv(Hkv), D(D), hidden(hidden), eps(static_cast<float>(eps)),
+  Step(int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t hidden, int64_t inter, double eps,
+       double scale, const torch::Tensor& positions, const torch::Tensor& slots,
+       const torch::Tensor& cos_sin, const Paged& p, int64_t num_slots)
+      : M(M), H(H), Hkv(Hkv), D(D), hidden(hidden), inter(inter), eps(static_cast<float>(eps)),
         scale(static_cast<float>(scale)), pos(positions.data_ptr<int64_t>()),
         slot(slots.data_ptr<int64_t>()), cos_sin(cos_sin.data_ptr<float>()), p(p),
         keys(p, M, num_slots) {}
@@ -299,11 +367,11 @@ struct Step {
 // The attention sublayer on normed rows xin [M, in_dim]: QKV, rotary, the KV write, attention
 // over the paged cache, O projection into out [M, hidden].
 template <typename T>
-void attention_block(const Step& s, const T* xin, int64_t in_dim, const T* w_qkv, const T* w_o,
-                     T* k_cache, T* v_cache, T* out) {
+void attention_block(const Step& s, const T* xin, const Mat& w_qkv, const Mat& w_o, T* k_cache,
+                     T* v_cache, T* out) {
   const int64_t M = s.M, kv = s.Hkv * s.D, width = (s.H + 2 * s.Hkv) * s.D;
   std::vector<T> qkv(M * width), attn(M * s.H * s.D);
-  matvec(xin, w_qkv, qkv.data(), M, in_dim, width);
+  matvec(xin, w_qkv, qkv.data(), M);
   rotary(qkv.data(), s.pos, s.cos_sin, M, s.H + s.Hkv, s.D, width);
   for (int64_t m = 0; m < M; ++m) {
     const T* row = qkv.data() + m * width;
@@ -312,18 +380,19 @@ void attention_block(const Step& s, const T* xin, int64_t in_dim, const T* w_qkv
   }
   attention(qkv.data(), width, k_cache, v_cache, attn.data(), s.p, s.keys, M, s.H, s.Hkv, s.D,
             s.scale);
-  matvec(attn.data(), w_o, out, M, s.H * s.D, s.hidden);
+  matvec(attn.data(), w_o, out, M);
 }
 
 // The MLP sublayer on rows of the residual stream: out = down(silu(gate) * up)(norm(residual)).
 template <typename T>
 void mlp_block(int64_t rows, int64_t hidden, float eps, const T* residual, const T* w_norm,
-               const T* w_gate_up, const T* w_down, int64_t inter, T* out) {
+               const Mat& w_gate_up, const Mat& w_down, T* out) {
+  const int64_t inter = w_down.K;
   std::vector<T> h(rows * hidden), gu(rows * 2 * inter), act(rows * inter);
   rms_norm(residual, w_norm, h.data(), rows, hidden, eps);
-  matvec(h.data(), w_gate_up, gu.data(), rows, hidden, 2 * inter);
+  matvec(h.data(), w_gate_up, gu.data(), rows);
   silu_mul(gu.data(), act.data(), rows, inter);
-  matvec(act.data(), w_down, out, rows, inter, hidden);
+  matvec(act.data(), w_down, out, rows);
 }
 
 template <typename T>
@@ -334,7 +403,7 @@ std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
                                      const std::vector<int64_t>& capture) {
   const int64_t M = s.M, hidden = s.hidden;
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
-  const int64_t inter = weights[5].size(1);
+  const int64_t width = (s.H + 2 * s.Hkv) * s.D;
   auto opts = x.options();
   torch::Tensor residual = x.clone();
   torch::Tensor mlp_out = torch::empty({M, hidden}, opts);
@@ -342,13 +411,14 @@ std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
   std::vector<torch::Tensor> result(1 + capture.size());
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = &weights[l * 6];
+    const Mat qkv = packed(w[1], width, hidden), o = packed(w[2], hidden, s.H * s.D);
+    const Mat gate_up = packed(w[4], 2 * s.inter, hidden), down = packed(w[5], hidden, s.inter);
     if (l > 0) add_into(ptr<T>(mlp_out), ptr<T>(residual), M * hidden);
     rms_norm(ptr<T>(residual), ptr<T>(w[0]), h.data(), M, hidden, s.eps);
-    attention_block(s, h.data(), hidden, ptr<T>(w[1]), ptr<T>(w[2]), ptr<T>(caches[2 * l]),
-                    ptr<T>(caches[2 * l + 1]), h.data());
+    attention_block(s, h.data(), qkv, o, ptr<T>(caches[2 * l]), ptr<T>(caches[2 * l + 1]),
+                    h.data());
     add_into(h.data(), ptr<T>(residual), M * hidden);
-    mlp_block(M, hidden, s.eps, ptr<T>(residual), ptr<T>(w[3]), ptr<T>(w[4]), ptr<T>(w[5]), inter,
-              ptr<T>(mlp_out));
+    mlp_block(M, hidden, s.eps, ptr<T>(residual), ptr<T>(w[3]), gate_up, down, ptr<T>(mlp_out));
     for (size_t c = 0; c < capture.size(); ++c) {
       if (capture[c] == l) {
         torch::Tensor cap = residual.clone();
@@ -379,16 +449,16 @@ torch::Tensor run_eagle3(const torch::Tensor& embeds, const torch::Tensor& hidde
     rms_norm(ptr<T>(embeds) + m * H, ptr<T>(w[0]), x.data() + m * 2 * H, 1, H, s.eps);
     rms_norm(ptr<T>(hidden_in) + m * H, ptr<T>(w[1]), x.data() + m * 2 * H + H, 1, H, s.eps);
   }
-  attention_block(s, x.data(), 2 * H, ptr<T>(w[2]), ptr<T>(w[3]), ptr<T>(k_cache),
-                  ptr<T>(v_cache), o.data());
+  const Mat qkv = packed(w[2], (s.H + 2 * s.Hkv) * s.D, 2 * H), wo = packed(w[3], H, s.H * s.D);
+  const Mat gate_up = packed(w[5], 2 * s.inter, H), down = packed(w[6], H, s.inter);
+  attention_block(s, x.data(), qkv, wo, ptr<T>(k_cache), ptr<T>(v_cache), o.data());
   torch::Tensor residual = torch::empty({P, H}, embeds.options());
   for (int64_t i = 0; i < P; ++i) {
     std::memcpy(ptr<T>(residual) + i * H, o.data() + pick[i] * H, H * sizeof(T));
     add_into(ptr<T>(hidden_in) + pick[i] * H, ptr<T>(residual) + i * H, H);
   }
   torch::Tensor out = torch::empty({P, H}, embeds.options());
-  mlp_block(P, H, s.eps, ptr<T>(residual), ptr<T>(w[4]), ptr<T>(w[5]), ptr<T>(w[6]),
-            w[6].size(1), ptr<T>(out));
+  mlp_block(P, H, s.eps, ptr<T>(residual), ptr<T>(w[4]), gate_up, down, ptr<T>(out));
   add_into(ptr<T>(residual), ptr<T>(out), P * H);
   return out;
 }
@@ -444,13 +514,13 @@ std::vector<torch::Tensor> llama_stack(
     torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
     torch::Tensor kv_len, torch::Tensor block_tables, std::vector<torch::Tensor> weights,
     std::vector<torch::Tensor> caches, torch::Tensor final_norm, torch::Tensor cos_sin,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-    double scale, std::vector<int64_t> capture) {
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t intermediate_size, double eps, double scale, std::vector<int64_t> capture) {
   TORCH_CHECK(weights.size() == caches.size() * 3, "6 weights and 2 caches per layer");
   const Paged p = check_step(x, positions, slots, row_seq, kv_len, block_tables, caches, weights,
                              cos_sin, num_kv_heads, head_dim, block_size);
-  const Step s(x.size(0), num_heads, num_kv_heads, head_dim, x.size(1), eps, scale, positions,
-               slots, cos_sin, p, caches[0].numel() / (num_kv_heads * head_dim));
+  const Step s(x.size(0), num_heads, num_kv_heads, head_dim, x.size(1), intermediate_size, eps,
+               scale, positions, slots, cos_sin, p, caches[0].numel() / (num_kv_heads * head_dim));
   if (x.scalar_type() == torch::kBFloat16) {
     return run_stack<uint16_t>(x, s, weights, caches, final_norm, capture);
   }
@@ -464,7 +534,7 @@ torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vect
                            std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor cos_sin, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                           double eps, double scale) {
+                           int64_t intermediate_size, double eps, double scale) {
   TORCH_CHECK(weights.size() == 7, "7 weights");
   TORCH_CHECK(hidden.sizes() == embeds.sizes() && hidden.is_contiguous() &&
                   hidden.scalar_type() == embeds.scalar_type(),
@@ -477,33 +547,50 @@ torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vect
     for (int64_t m = 0; m < M; ++m) pick.push_back(m);
   }
   for (int64_t r : pick) TORCH_CHECK(r >= 0 && r < M, "picked row ", r, " is out of range");
-  const Step s(M, num_heads, num_kv_heads, head_dim, embeds.size(1), eps, scale, positions, slots,
-               cos_sin, p, k_cache.numel() / (num_kv_heads * head_dim));
+  const Step s(M, num_heads, num_kv_heads, head_dim, embeds.size(1), intermediate_size, eps, scale,
+               positions, slots, cos_sin, p, k_cache.numel() / (num_kv_heads * head_dim));
   if (embeds.scalar_type() == torch::kBFloat16) {
     return run_eagle3<uint16_t>(embeds, hidden, pick, s, weights, k_cache, v_cache);
   }
   return run_eagle3<float>(embeds, hidden, pick, s, weights, k_cache, v_cache);
 }
 
-// x [M, I] @ w[O, I]^T → [M, O] in x's dtype (each weight row read once for all M rows).
-torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "linear: x [M, I] and w [O, I] expected");
+// w [O, K] (bfloat16 or float32) in the layout ``matvec`` reads (zero padding).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack: w [O, K] expected");
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 || w.scalar_type() == torch::kFloat32,
+              "dtype must be bfloat16 or float32");
+  const int64_t O = w.size(0), K = w.size(1), O16 = ceil_div(O, LANES) * LANES;
+  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  const int64_t K2 = bf16 ? ceil_div(K, 2) * 2 : K;
+  torch::Tensor padded = torch::zeros({O16, K2}, w.options());
+  padded.narrow(0, 0, O).narrow(1, 0, K).copy_(w);
+  if (bf16) {
+    return padded.view({O16 / LANES, LANES, K2 / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  return padded.view({O16 / LANES, LANES, K}).permute({0, 2, 1}).contiguous();
+}
+
+// x [M, K] @ w.T → [M, out_features] in x's dtype; w as ``pack`` left it.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "linear: x [M, K] expected");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w dtypes differ");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "dtype must be bfloat16 or float32");
   x = x.contiguous();
-  w = w.contiguous();
-  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  const Mat m = packed(w, out_features, x.size(1));
+  auto y = torch::empty({x.size(0), out_features}, x.options());
   if (x.scalar_type() == torch::kBFloat16) {
-    matvec(ptr<uint16_t>(x), ptr<uint16_t>(w), ptr<uint16_t>(y), x.size(0), x.size(1), w.size(0));
+    matvec(ptr<uint16_t>(x), m, ptr<uint16_t>(y), x.size(0));
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32, "dtype must be bfloat16 or float32");
-    matvec(ptr<float>(x), ptr<float>(w), ptr<float>(y), x.size(0), x.size(1), w.size(0));
+    matvec(ptr<float>(x), m, ptr<float>(y), x.size(0));
   }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_stack", &llama_stack, "Llama decoder stack for small batches (CPU)");
-  m.def("linear", &linear, "x @ w.T for a few rows, reading w once (CPU)");
+  m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
+  m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
 }

@@ -139,6 +139,13 @@ def step_rows(
     )
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of ``weight`` [O, K] in the layout the extension's matrix products read (16
+    output features side by side; bfloat16 pairs along K). Inference only: it does not follow
+    later in-place updates of ``weight``."""
+    return _ext_or_raise().pack(weight.detach().contiguous())
+
+
 def llama_stack(
     x: torch.Tensor,
     rows: StepRows,
@@ -146,15 +153,15 @@ def llama_stack(
     caches: list[torch.Tensor],
     final_norm: torch.Tensor,
     cos_sin: torch.Tensor,
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, int, int, int, int],
     eps: float,
     scale: float,
     capture: list[int],
 ) -> list[torch.Tensor]:
     """One call of the extension: ``x`` [M, hidden] embeddings → [final normed hidden, the
     residual stream after each ``capture`` layer]. ``weights``: per layer input norm, QKV, O,
-    post-attention norm, gate/up, down; ``caches``: per layer K, V. ``shape``: (num_heads,
-    num_kv_heads, head_dim, block_size)."""
+    post-attention norm, gate/up, down, the matrices ``pack``-ed; ``caches``: per layer K, V.
+    ``shape``: (num_heads, num_kv_heads, head_dim, block_size, intermediate_size)."""
     return _ext_or_raise().llama_stack(
         x, *_row_args(rows), weights, caches, final_norm, cos_sin, *shape, eps, scale, capture
     )
@@ -164,10 +171,11 @@ def _row_args(rows: StepRows) -> tuple[torch.Tensor, ...]:
     return rows.positions, rows.slots, rows.row_seq, rows.kv_len, rows.block_tables
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows (``x`` [M, I], ``weight`` [O, I], same dtype), reading
-    each weight row once for all rows (fp32 accumulation, output in x's dtype)."""
-    return _ext_or_raise().linear(x, weight)
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows (``x`` [M, K]; ``packed``: ``pack(weight)``, weight
+    [out_features, K] in x's dtype), reading the weight once for all rows (fp32 accumulation,
+    output in x's dtype)."""
+    return _ext_or_raise().linear(x, packed, out_features)
 
 
 def eagle3_layer(
@@ -178,13 +186,14 @@ def eagle3_layer(
     weights: list[torch.Tensor],
     caches: tuple[torch.Tensor, torch.Tensor],
     cos_sin: torch.Tensor,
-    shape: tuple[int, int, int, int],
+    shape: tuple[int, int, int, int, int],
     eps: float,
     scale: float,
 ) -> torch.Tensor:
     """The Eagle3 midlayer: attention over ``cat[norm(embeds), hidden_norm(hidden)]`` on every
     row (each writes its draft KV), residual add and MLP on the ``pick`` rows (empty: all).
-    ``weights``: input norm, hidden norm, QKV, O, post-attention norm, gate/up, down. Returns
+    ``weights``: input norm, hidden norm, QKV, O, post-attention norm, gate/up, down (the
+    matrices ``pack``-ed); ``shape`` as for ``llama_stack``. Returns
     the pre-norm output [len(pick) or M, hidden]."""
     return _ext_or_raise().eagle3_layer(
         embeds, hidden, pick, *_row_args(rows), weights, *caches, cos_sin, *shape, eps, scale

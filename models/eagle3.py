@@ -20,6 +20,7 @@ from models.llama import (
     fast_layer_unsupported,
     fast_path_accepts,
     fast_step_rows,
+    fast_weights,
 )
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
@@ -65,9 +66,10 @@ class Eagle3FastPath:
     def __init__(self, layer: Eagle3MidLayer) -> None:
         attn = layer.self_attn
         self.attention = attn.attn
-        self.weights = [w.detach() for w in self.layer_weights(layer)]
+        self.weights = fast_weights(self.layer_weights(layer))
         self.dtype = self.weights[0].dtype
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.intermediate = layer.mlp.down_proj.weight.shape[1]
         self.eps = float(layer.input_layernorm.eps)
         self.scale = float(attn.attn.scale)
         self.cos_sin = attn.rotary_emb.cos_sin
@@ -108,7 +110,7 @@ class Eagle3FastPath:
             self.weights,
             caches,
             self.cos_sin,
-            (*self.shape, caches[0].shape[1]),
+            (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,
             self.scale,
         )

@@ -261,8 +261,8 @@ def _packed_linear(
 
 def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
     """Route the small-batch logits of every unsharded CPU LM head in ``model`` through
-    ``kernels.cpu_decode.linear`` (the weight read once for all rows; the caller has loaded the
-    extension). Returns how many heads were switched."""
+    ``kernels.cpu_decode.linear`` (a packed copy of the weight, read once for all rows; the
+    caller has loaded the extension). Returns how many heads were switched."""
     n = 0
     for m in model.modules():
         if (
@@ -271,6 +271,7 @@ def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
             and m.weight.device.type == "cpu"
             and m.weight.dtype in cpu_decode.DTYPES
         ):
+            m.fast_weight = cpu_decode.pack(m.weight)
             m.fast_rows = cpu_decode.MAX_ROWS
             n += 1
     return n
@@ -511,6 +512,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
     fast_rows = 0  # up to this many rows go through ``kernels.cpu_decode.linear``
+    fast_weight: torch.Tensor | None = None  # the weight packed for it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.local_logits(hidden)
@@ -519,8 +521,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
-        if 0 < hidden.shape[0] <= self.fast_rows and hidden.dtype == self.weight.dtype:
-            return cpu_decode.linear(hidden, self.weight)
+        if (
+            self.fast_weight is not None
+            and 0 < hidden.shape[0] <= self.fast_rows
+            and hidden.dtype == self.weight.dtype
+        ):
+            return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
             return _packed_linear(hidden, self.packed_weight, None)
         return F.linear(hidden, self.weight)

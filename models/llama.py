@@ -229,6 +229,12 @@ def fast_step_rows(positions: torch.Tensor, meta: AttentionMetadata) -> cpu_deco
     )
 
 
+def fast_weights(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """A layer's weights as ``kernels/cpu_decode`` takes them: norms as they are, matrices
+    packed (a copy: the fast path serves inference, not training)."""
+    return [cpu_decode.pack(w) if w.dim() == 2 else w.detach() for w in weights]
+
+
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
     at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
@@ -241,10 +247,13 @@ class CpuStackFastPath:
         attn = layer0.self_attn
         self.dtype = model.norm.weight.dtype
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.intermediate = layer0.mlp.down_proj.weight.shape[1]
         self.eps = float(layer0.input_layernorm.eps)
         self.scale = float(attn.attn.scale)
         self.cos_sin = attn.rotary_emb.cos_sin
-        self.weights = [w.detach() for layer in model.layers for w in self.layer_weights(layer)]
+        self.weights = [
+            w for layer in model.layers for w in fast_weights(self.layer_weights(layer))
+        ]
         self.attention = [layer.self_attn.attn for layer in model.layers]
 
     @staticmethod
@@ -292,7 +301,7 @@ class CpuStackFastPath:
             caches,
             self.model.norm.weight.detach(),
             self.cos_sin,
-            (*self.shape, caches[0].shape[1]),
+            (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,
             self.scale,
             list(capture_layers),

@@ -227,7 +227,7 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
             caches=caches,
             final_norm=fast.weights[0],
             cos_sin=fast.cos_sin,
-            shape=(*fast.shape, caches[0].shape[1]),
+            shape=(*fast.shape, caches[0].shape[1], fast.intermediate),
             eps=fast.eps,
             scale=fast.scale,
             capture=[],
@@ -249,16 +249,21 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_f_linear_and_is_batch_invariant(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    for rows, i, o in [(1, 576, 96), (3, 72, 45), (5, 100, 33), (cpu_decode.MAX_ROWS, 40, 17)]:
+    # Odd K and O not a multiple of 16 or 64: the packed padding; 7 rows: a 6-row tile + 1.
+    shapes = [(1, 576, 96), (3, 72, 45), (5, 99, 33), (7, 40, 130), (cpu_decode.MAX_ROWS, 41, 17)]
+    for rows, i, o in shapes:
         x = torch.randn(rows, i, generator=g).to(dtype)
         w = torch.randn(o, i, generator=g).to(dtype)
-        got = cpu_decode.linear(x, w)
+        packed = cpu_decode.pack(w)
+        got = cpu_decode.linear(x, packed, o)
         ref = torch.nn.functional.linear(x.float(), w.float())
         assert got.dtype == dtype and got.shape == (rows, o)
         # fp32 sums in another order; bf16 also rounds the output (8 bits of mantissa).
         tol = 1e-4 if dtype == torch.float32 else 2**-7
         assert ((got.float() - ref).abs() <= tol * ref.abs().clamp(min=1.0) * 2).all()
         for r in range(rows):  # one row alone gives bit-identical results
-            assert torch.equal(cpu_decode.linear(x[r : r + 1], w)[0], got[r])
-    with pytest.raises(RuntimeError, match="x \\[M, I\\] and w \\[O, I\\]"):
-        cpu_decode.linear(torch.zeros(2, 8, dtype=dtype), torch.zeros(4, 9, dtype=dtype))
+            assert torch.equal(cpu_decode.linear(x[r : r + 1], packed, o)[0], got[r])
+    packed = cpu_decode.pack(torch.zeros(4, 9, dtype=dtype))
+    for x, o in [(torch.zeros(2, 8, dtype=dtype), 4), (torch.zeros(2, 9, dtype=dtype), 40)]:
+        with pytest.raises(RuntimeError, match="does not match its shape"):
+            cpu_decode.linear(x, packed, o)
