@@ -110,7 +110,7 @@ def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
         model = inner_model(llm)
         with checked_against_eager(model, records):
             outs = llm.generate(PROMPTS, params)
-            decode_steps = len(records)
+            steps = len(records)
             alone = llm.generate(PROMPTS[1:2], params)  # its prefill fits the fast path
     for out, expected in zip(outs, ref, strict=True):
         got = out.outputs[0]
@@ -120,12 +120,12 @@ def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
         ]
         assert max(diffs) < 1e-4
     assert alone[0].outputs[0].token_ids == ref[1]["tokens"]
-    # Every decode step took the fast path (the 60-row batched prefill ran eager), and so did
-    # the lone prompt's prefill and decode.
-    assert decode_steps == 23
-    assert len(records) == 23 + 24
+    # Every step took the fast path: the 60-row batched prefill, the decode steps, and the lone
+    # prompt's prefill and decode.
+    assert steps == 24 and records[0]["rows"] == 60 and records[0]["seqs"] == 4
+    assert len(records) == 24 + 24
     # 19 tokens: the first block (16) hits the prefix cache, 3 causal rows run over it.
-    assert records[23]["rows"] == 3 and records[23]["seqs"] == 1
+    assert records[24]["rows"] == 3 and records[24]["seqs"] == 1
     for r in records:
         assert r["hidden"] < 1e-4 * max(1.0, r["scale"]), r
         assert r["kv"] < 1e-5, r
