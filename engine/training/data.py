@@ -47,7 +47,7 @@ class Batch:
 
 
 def shipped_prompts_path(name: str) -> Path:
-    """The prompt set that ships with the project: ``train`` (1450) or ``eval`` (60)."""
+    """The prompt set that ships with the project: ``train`` (2650) or ``eval`` (60)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"prompt set {name!r} is unknown; use one of {PROMPT_SETS}")
     return Path(str(resources.files("engine.training") / "data" / f"{name}_prompts.jsonl"))
