@@ -272,7 +272,6 @@ def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
             and m.weight.dtype in cpu_decode.DTYPES
         ):
             m.fast_weight = cpu_decode.pack(m.weight)
-            m.fast_rows = cpu_decode.MAX_ROWS
             n += 1
     return n
 
@@ -511,8 +510,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head whose rows (vocabulary) are split across ranks; logits are gathered."""
 
     packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
-    fast_rows = 0  # up to this many rows go through ``kernels.cpu_decode.linear``
-    fast_weight: torch.Tensor | None = None  # the weight packed for it
+    # Set: up to ``cpu_decode.MAX_ROWS`` rows go through ``kernels.cpu_decode.linear`` with it.
+    fast_weight: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.local_logits(hidden)
@@ -523,7 +522,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
         if (
             self.fast_weight is not None
-            and 0 < hidden.shape[0] <= self.fast_rows
+            and 0 < hidden.shape[0] <= cpu_decode.MAX_ROWS
             and hidden.dtype == self.weight.dtype
         ):
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])
