@@ -34,7 +34,7 @@ from engine.engine_core import (
 )
 from engine.input_processor import InputProcessor
 from engine.llm_engine import load_tokenizer
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, OutputAssembly, OutputDelta, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -86,6 +86,7 @@ class _Tracked:
     submitted: float  # time.monotonic() in this process
     last_token_time: float | None = None
     num_tokens: int = 0
+    output: OutputAssembly = field(default_factory=OutputAssembly)
 
 
 @dataclass
@@ -451,10 +452,11 @@ class AsyncLLM:
             if self.on_dead is not None:
                 self.on_dead(msg.message)
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
-        tracked = self._tracked.get(out.request_id)
+    def _deliver(self, delta: OutputDelta, now: float) -> None:
+        tracked = self._tracked.get(delta.request_id)
         if tracked is None:  # aborted by us while the engine ran it
             return
+        out = tracked.output.apply(delta)
         n = len(out.outputs[0].token_ids)
         new = n - tracked.num_tokens
         sink = self.stats_sink

@@ -2,8 +2,8 @@
 
 The API process talks to this loop through two queues of the message types below. The loop
 blocks on its input queue only when it has nothing to run; otherwise it drains what arrived,
-runs one ``step()`` and sends that step's outputs in one message together with a stats snapshot
-and a heartbeat timestamp. When idle it still sends a heartbeat every ``heartbeat_interval_s``,
+runs one ``step()`` and sends that step's outputs in one message (as ``OutputDelta``: what each
+request gained) together with a stats snapshot and a heartbeat timestamp. When idle it still sends a heartbeat every ``heartbeat_interval_s``,
 so the API process can tell a busy engine from a dead or hung one.
 
 A step that raises fails the requests that step was running (``RequestsFailed``; waiting and
@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import multiprocessing.queues
 import os
 import queue
 import signal
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 from engine.config import EngineArgs
 from engine.fault_injection import FaultPlan
 from engine.input_processor import InputProcessor
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, OutputDelta, OutputEncoder, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ class EngineReady:
 class StepOutputs:
     """One step's outputs (possibly none: then it is a heartbeat) and the stats after it."""
 
-    outputs: list[RequestOutput]
+    outputs: list[OutputDelta]
     stats: EngineStats
     timestamp: float  # time.time() when sent
 
@@ -231,6 +232,7 @@ def run_engine_loop(
 ) -> int:
     """Serve until ``Shutdown`` (returns 0) or until the engine cannot go on (returns 1)."""
     live: set[str] = set()  # requests added and not yet finished or aborted
+    encoder = OutputEncoder()
     failures = 0
     last_sent = 0.0
     while True:
@@ -249,6 +251,7 @@ def run_engine_loop(
             elif isinstance(msg, AbortRequests):
                 engine.abort_request(msg.request_ids)
                 live.difference_update(msg.request_ids)
+                encoder.forget(msg.request_ids)
             else:
                 logger.error("engine loop got an unknown message: %r", msg)
         if parent_pid is not None and os.getppid() != parent_pid:
@@ -265,6 +268,7 @@ def run_engine_loop(
                 logger.exception("engine step failed (%d in a row)", failures)
                 failed = _failed_step_requests(engine, live)
                 live.difference_update(failed)
+                encoder.forget(failed)
                 message = f"the engine failed while running this request: {type(e).__name__}: {e}"
                 try:
                     engine.abort_request(failed)
@@ -290,16 +294,15 @@ def run_engine_loop(
 
         now = time.monotonic()
         if outputs or msgs or now - last_sent >= heartbeat_interval_s:
-            out_q.put(
-                StepOutputs(outputs, stats_since(base_stats, engine.get_stats()), time.time())
-            )
+            deltas = [encoder.encode(out) for out in outputs]
+            out_q.put(StepOutputs(deltas, stats_since(base_stats, engine.get_stats()), time.time()))
             last_sent = now
 
 
 def run_engine_core(
     engine_args: EngineArgs,
     in_q: QueueLike,
-    out_q: QueueLike,
+    out_q: multiprocessing.queues.Queue[Any],
     log_level: str = "INFO",
     heartbeat_interval_s: float = 0.5,
 ) -> None:
@@ -357,4 +360,8 @@ def run_engine_core(
             engine.shutdown()
         except Exception:
             logger.exception("engine shutdown failed")
+    if code == 0:
+        # Told to stop: the API process no longer reads what is still buffered, so exit without
+        # waiting for the queue to flush it (an error report, code 1, is flushed).
+        out_q.cancel_join_thread()
     sys.exit(code)

@@ -3,6 +3,7 @@ failures are reported, not swallowed; persistent failure exits non-zero; idle me
 
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 import time
@@ -18,8 +19,14 @@ from engine.engine_core import (
     run_engine_loop,
     stats_since,
 )
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.request import Request
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    OutputAssembly,
+    OutputEncoder,
+    RequestOutput,
+)
+from engine.request import Request, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -205,3 +212,61 @@ def test_generation_defaults_and_stats_baseline():
     base = stats(prompt_tokens=8, generation_tokens=4)
     delta = stats_since(base, now)
     assert (delta.prompt_tokens, delta.generation_tokens, delta.num_running) == (22, 8, 3)
+
+
+def test_step_messages_stay_small_however_long_the_generation():
+    """The queue carries what each step added, not the whole output so far: the last step of a
+    1500-token generation sends as many bytes as the tenth (cumulative outputs would resend
+    every token each step; the engine fell behind and took > 10 s to stop)."""
+    engine = FakeEngine(length=1500)
+    code, msgs = run_loop(engine, [AddRequests([request("a")])], lambda m: finished_ids(m) == ["a"])
+    steps = [m for m in msgs if isinstance(m, StepOutputs) and m.outputs]
+    assert code == 0 and len(steps) == 1500
+    sizes = [len(pickle.dumps(m.outputs)) for m in steps]
+    assert sizes[-1] <= sizes[10] + 64, (sizes[10], sizes[-1])  # a finish reason, a bigger int
+    # The API process's assembly gives back the cumulative output.
+    assembly = OutputAssembly()
+    outs = [assembly.apply(d) for m in steps for d in m.outputs]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == list(range(1500))
+    assert outs[-1].outputs[0].text == "t" * 1500 and outs[-1].prompt_token_ids == [1]
+    assert outs[9].outputs[0].token_ids == list(range(10))  # earlier outputs are snapshots
+
+
+def lp(token: int) -> TokenLogprobs:
+    return TokenLogprobs(token, -0.5, [token], [-0.5])
+
+
+def test_output_deltas_round_trip_including_rewrites():
+    """Encoder (engine) and assembly (API) agree on every cumulative output: growth, a text that
+    shrinks or changes (a held-back stop string), the prompt sent once, logprobs or none."""
+    steps = [
+        ([5], "He", [lp(5)]),
+        ([5, 6], "Hello", [lp(5), lp(6)]),
+        ([5, 6, 7], "Hello", [lp(5), lp(6), lp(7)]),  # no new text (held back)
+        ([5, 6, 7, 8], "Help", [lp(5), lp(6), lp(7), lp(8)]),  # text rewritten
+        ([9], "x", [lp(9)]),  # everything restarted
+    ]
+    for with_logprobs in (True, False):
+        encoder, assembly = OutputEncoder(), OutputAssembly()
+        deltas = []
+        for i, (tokens, text, logprobs) in enumerate(steps):
+            done = i == len(steps) - 1
+            c = CompletionOutput(0, tokens, text, "stop" if done else None,
+                                 logprobs=logprobs if with_logprobs else None)  # fmt: skip
+            out = RequestOutput("r", "prompt", [1, 2, 3], [c], done, metrics={"i": i})
+            deltas.append(encoder.encode(out))
+            assert assembly.apply(deltas[-1]) == out
+        assert deltas[0].prompt_token_ids == [1, 2, 3]
+        assert all(d.prompt_token_ids is None and d.prompt is None for d in deltas[1:])
+        assert deltas[2].new_token_ids == [7] and deltas[2].new_text == ""
+        assert (deltas[3].text_start, deltas[3].new_text) == (0, "Help")  # resent whole
+        assert (deltas[4].token_start, deltas[4].text_start) == (0, 0)
+        assert not encoder._sent  # finished: nothing kept
+
+
+def test_aborted_requests_are_forgotten_by_the_encoder():
+    encoder = OutputEncoder()
+    c = CompletionOutput(0, [1], "t")
+    encoder.encode(RequestOutput("a", None, [1], [c], False))
+    encoder.forget(["a"])
+    assert encoder.encode(RequestOutput("a", None, [1], [c], False)).prompt_token_ids == [1]
