@@ -6,17 +6,20 @@
 // Python: RMSNorm (+ residual), fused QKV, rotary, the paged KV write, attention over the paged
 // cache, O projection, gate/up, SiLU-and-mul and down, with matrix products that read each
 // weight once for all M rows from a copy packed for them (``pack``; AVX-512 BF16 for bfloat16,
-// AVX-512 FMA for float32). Values are rounded to the model dtype at the same points as the eager modules in
-// models/llama.py and models/layers.py (their reference). Built at first use by
+// AVX-512 FMA for float32) and elementwise steps 16 lanes at a time. Values are rounded to the
+// model dtype at the same points as the eager modules in models/llama.py and models/layers.py
+// (their reference). Built at first use by
 // kernels/cpu_decode.py.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -48,6 +51,55 @@ inline float rnd(float v) {  // v rounded through T
   T t;
   st(&t, v);
   return ld(&t);
+}
+
+// The same, 16 lanes at a time: n <= 16 values (the rest masked off), as fp32.
+inline __mmask16 first(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __m512 vld(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 vld(const uint16_t* p, __mmask16 k) {
+  const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(k, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// fp32 -> bfloat16 bits in the low half of each lane, exactly as st() rounds.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                 _mm512_set1_epi32(0x7FC0));
+}
+inline void vst(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+inline void vst(uint16_t* p, __m512 v, __mmask16 k) {
+  _mm512_mask_storeu_epi16(p, k, _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits(v))));
+}
+template <typename T>
+inline __m512 vrnd(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  }
+}
+// exp(x): x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for exp(r), scaled by 2^n
+// (scalef gives inf / 0 past the fp32 range). Within 0.93 ulp of the exact value on
+// [-87, 88] (4M points checked).
+inline __m512 vexp(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // ---------------------------------------------------------------- matrix-vector products
@@ -88,18 +140,26 @@ inline void store_tile(__m512 (&acc)[R][W], uint16_t* y, int64_t m, int64_t o0, 
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < W; ++j) {
       const int64_t o = o0 + j * LANES;
-      if (o >= O) continue;
-      // Round to nearest even, as c10::BFloat16 does (NaN stays NaN).
-      alignas(64) float v[LANES];
-      _mm512_store_ps(v, acc[r][j]);
-      for (int64_t t = 0; t < LANES && o + t < O; ++t) st(y + (m + r) * O + o + t, v[t]);
+      if (o < O) vst(y + (m + r) * O + o, acc[r][j], first(O - o));
     }
   }
 }
 
+// Weights to bring into L2 while a tile computes: `per_step` bytes (whole lines) at each K
+// step, from p (see rows()).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t per_step = 0;  // bytes per K step (whole cache lines)
+  inline void at(int64_t k) const {
+    if (p == nullptr) return;
+    for (int64_t i = 0; i < per_step; i += 64) _mm_prefetch(p + k * per_step + i, _MM_HINT_T1);
+  }
+};
+
 // y[m .. m+R, 16 b .. 16 (b+W)] from packed weight blocks b .. b+W.
 template <int R, int W>
-inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_t b) {
+inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_t b,
+                 const Prefetch& pf) {
   const int64_t K = w.K, kp_stride = ceil_div(K, 2);
   const uint16_t* pb = static_cast<const uint16_t*>(w.p) + b * kp_stride * 2 * LANES;
   __m512 acc[R][W];
@@ -107,6 +167,7 @@ inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_
     for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
   // One K pair: pair(r) is row r's two activations as one 32-bit word.
   auto step = [&](int64_t kp, auto pair) {
+    pf.at(kp);
     __m512bh wv[W];
     for (int j = 0; j < W; ++j) {
       wv[j] = (__m512bh)_mm512_loadu_si512(pb + (j * kp_stride + kp) * 2 * LANES);
@@ -129,13 +190,15 @@ inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_
   store_tile<R, W>(acc, y, m, b * LANES, w.O);
 }
 template <int R, int W>
-inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b) {
+inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b,
+                 const Prefetch& pf) {
   const int64_t K = w.K;
   const float* pb = static_cast<const float*>(w.p) + b * K * LANES;
   __m512 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    pf.at(k);
     __m512 wv[W];
     for (int j = 0; j < W; ++j) wv[j] = _mm512_loadu_ps(pb + (j * K + k) * LANES);
     for (int r = 0; r < R; ++r) {
@@ -146,26 +209,51 @@ inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b) {
   store_tile<R, W>(acc, y, m, b * LANES, w.O);
 }
 
-// All M rows for blocks b .. b+W.
+// All M rows for blocks b .. b+W. `next` (may be null): `next_bytes` of weights the caller
+// reads next, prefetched into L2 by the row tiles after the first (by the only one if M is
+// small): the first tile streams this group from memory, the later ones compute from cache
+// while memory fetches the next group.
 template <typename T, int W>
-inline void rows(const T* x, const Mat& w, T* y, int64_t M, int64_t b) {
+inline void rows(const T* x, const Mat& w, T* y, int64_t M, int64_t b, const char* next,
+                 int64_t next_bytes) {
+  const int64_t ksteps = std::is_same_v<T, float> ? w.K : ceil_div(w.K, 2);
+  const int64_t tiles = M / R_MAX + (M % R_MAX) / 4 + (M % R_MAX % 4) / 2 + M % 2;
+  const int64_t with_pf = tiles > 1 ? tiles - 1 : 1;
+  const int64_t per_tile = next == nullptr ? 0 : ceil_div(next_bytes, with_pf);
+  const int64_t per_step = ceil_div(ceil_div(per_tile, ksteps), 64) * 64;
+  int64_t t = 0;
+  auto pf = [&]() {
+    Prefetch p;
+    if (next != nullptr && (tiles == 1 || t > 0)) {
+      const int64_t i = tiles == 1 ? 0 : t - 1;
+      if (i * per_tile < next_bytes) p = Prefetch{next + i * per_tile, per_step};
+    }
+    ++t;
+    return p;
+  };
   int64_t m = 0;
-  for (; m + R_MAX <= M; m += R_MAX) tile<R_MAX, W>(x, w, y, m, b);
-  for (; m + 4 <= M; m += 4) tile<4, W>(x, w, y, m, b);
-  for (; m + 2 <= M; m += 2) tile<2, W>(x, w, y, m, b);
-  for (; m < M; ++m) tile<1, W>(x, w, y, m, b);
+  for (; m + R_MAX <= M; m += R_MAX) tile<R_MAX, W>(x, w, y, m, b, pf());
+  for (; m + 4 <= M; m += 4) tile<4, W>(x, w, y, m, b, pf());
+  for (; m + 2 <= M; m += 2) tile<2, W>(x, w, y, m, b, pf());
+  for (; m < M; ++m) tile<1, W>(x, w, y, m, b, pf());
 }
 
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed.
 template <typename T>
 void matvec(const T* x, const Mat& w, T* y, int64_t M) {
   const int64_t blocks = ceil_div(w.O, LANES), groups = ceil_div(blocks, NB);
+  const int64_t block_bytes =
+      (std::is_same_v<T, float> ? w.K : 2 * ceil_div(w.K, 2)) * LANES * int64_t(sizeof(T));
+  const char* base = static_cast<const char*>(w.p);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
+      // This thread's next group, if any (prefetched while this one computes).
+      const int64_t nb = g + 1 < end ? std::min<int64_t>(NB, blocks - (g + 1) * NB) : 0;
+      const char* next = nb > 0 ? base + (g + 1) * NB * block_bytes : nullptr;
       if ((g + 1) * NB <= blocks) {
-        rows<T, NB>(x, w, y, M, g * NB);
+        rows<T, NB>(x, w, y, M, g * NB, next, nb * block_bytes);
       } else {
-        for (int64_t b = g * NB; b < blocks; ++b) rows<T, 1>(x, w, y, M, b);
+        for (int64_t b = g * NB; b < blocks; ++b) rows<T, 1>(x, w, y, M, b, nullptr, 0);
       }
     }
   });
@@ -179,15 +267,17 @@ template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t M, int64_t H, float eps) {
   for (int64_t m = 0; m < M; ++m) {
     const T* xr = x + m * H;
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) {
-      float v = ld(xr + i);
-      ss += v * v;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += LANES) {
+      const __m512 v = vld(xr + i, first(H - i));
+      ss = _mm512_fmadd_ps(v, v, ss);
     }
-    float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i) {
-      float n = rnd<T>(ld(xr + i) * inv);
-      st(out + m * H + i, ld(w + i) * n);
+    const __m512 inv =
+        _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps));
+    for (int64_t i = 0; i < H; i += LANES) {
+      const __mmask16 k = first(H - i);
+      const __m512 n = vrnd<T>(_mm512_mul_ps(vld(xr + i, k), inv));
+      vst(out + m * H + i, _mm512_mul_ps(vld(w + i, k), n), k);
     }
   }
 }
@@ -195,7 +285,10 @@ void rms_norm(const T* x, const T* w, T* out, int64_t M, int64_t H, float eps) {
 // residual = round(h + residual) in place.
 template <typename T>
 void add_into(const T* h, T* residual, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) st(residual + i, ld(h + i) + ld(residual + i));
+  for (int64_t i = 0; i < n; i += LANES) {
+    const __mmask16 k = first(n - i);
+    vst(residual + i, _mm512_add_ps(vld(h + i, k), vld(residual + i, k)), k);
+  }
 }
 
 // Neox rotary on the first (num_heads + num_kv_heads) heads of each qkv row, in place.
@@ -207,10 +300,12 @@ void rotary(T* qkv, const int64_t* positions, const float* cos_sin, int64_t M, i
     const float* cs = cos_sin + positions[m] * D;
     for (int64_t h = 0; h < heads; ++h) {
       T* x = qkv + m * row_stride + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        float x1 = ld(x + i), x2 = ld(x + half + i), c = cs[i], s = cs[half + i];
-        st(x + i, x1 * c - x2 * s);
-        st(x + half + i, x2 * c + x1 * s);
+      for (int64_t i = 0; i < half; i += LANES) {
+        const __mmask16 k = first(half - i);
+        const __m512 x1 = vld(x + i, k), x2 = vld(x + half + i, k);
+        const __m512 c = vld(cs + i, k), s = vld(cs + half + i, k);
+        vst(x + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), k);
+        vst(x + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), k);
       }
     }
   }
@@ -219,14 +314,22 @@ void rotary(T* qkv, const int64_t* positions, const float* cos_sin, int64_t M, i
 // out = round(round(silu(gate)) * up), gate_up rows = [gate | up].
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t M, int64_t I) {
-  for (int64_t m = 0; m < M; ++m) {
-    const T* g = gu + m * 2 * I;
-    for (int64_t i = 0; i < I; ++i) {
-      float a = ld(g + i);
-      float s = rnd<T>(a / (1.f + std::exp(-a)));
-      st(out + m * I + i, s * ld(g + I + i));
+  constexpr int64_t CHUNK = 256;
+  const int64_t chunks = ceil_div(I, CHUNK);
+  // Threads only for work worth waking them (several rows of a wide MLP).
+  at::parallel_for(0, M * chunks, std::max<int64_t>(1, 8192 / CHUNK), [&](int64_t b, int64_t end) {
+    for (int64_t c = b; c < end; ++c) {
+      const int64_t m = c / chunks, i0 = (c % chunks) * CHUNK, i1 = std::min(I, i0 + CHUNK);
+      const T* g = gu + m * 2 * I;
+      for (int64_t i = i0; i < i1; i += LANES) {
+        const __mmask16 k = first(i1 - i);
+        const __m512 a = vld(g + i, k);
+        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 sl = vrnd<T>(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        vst(out + m * I + i, _mm512_mul_ps(sl, vld(g + I + i, k)), k);
+      }
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------- attention
