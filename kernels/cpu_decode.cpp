@@ -334,35 +334,6 @@ void silu_mul(const T* gu, T* out, int64_t M, int64_t I) {
 
 // ---------------------------------------------------------------- attention
 
-// 16 values from p as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// q . k with q in fp32 (vectorised over 16 lanes, scalar tail).
-template <typename T>
-inline float qdot(const float* q, const T* k, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-  float s = _mm512_reduce_add_ps(acc);
-  for (; d < D; ++d) s += q[d] * ld(k + d);
-  return s;
-}
-
-// acc += p * v (fp32 acc).
-template <typename T>
-inline void axpy(float* acc, float p, const T* v, int64_t D) {
-  const __m512 pv = _mm512_set1_ps(p);
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(v + d), _mm512_loadu_ps(acc + d)));
-  }
-  for (; d < D; ++d) acc[d] += p * ld(v + d);
-}
-
 struct Paged {
   const int32_t* block_tables;
   int64_t bt_stride;
@@ -401,32 +372,98 @@ template <typename T>
 void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_cache, T* out,
                const Paged& p, const KeySlots& ks, int64_t M, int64_t H, int64_t Hkv, int64_t D,
                float scale) {
-  const int64_t group = H / Hkv;
-  at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(D), acc(D), scores;
-    for (int64_t mh = begin; mh < end; ++mh) {
-      const int64_t m = mh / H, h = mh % H, kvh = h / group;
+  constexpr int64_t MAX_HEADS = 64, PREFETCH_KEYS = 4;
+  const int64_t group = H / Hkv, threads = at::get_num_threads();
+  // Heads per task: all of a row's (each key's kv heads sit side by side in the cache: one
+  // contiguous read), else one kv head's group (each key read and widened once for them), else
+  // one head, as the rows allow keeping every thread busy.
+  int64_t hpt = 1;
+  if (H <= MAX_HEADS && M >= 2 * threads) {
+    hpt = H;
+  } else if (group <= MAX_HEADS && M * Hkv >= 2 * threads) {
+    hpt = group;
+  }
+  const int64_t per_kv = std::min(hpt, group);  // heads of the task per kv head it reads
+  const int64_t tasks_per_row = H / hpt, chunks = ceil_div(D, LANES), width = chunks * LANES;
+  at::parallel_for(0, M * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(hpt * width), acc(hpt * width), scores;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m = t / tasks_per_row, h0 = (t % tasks_per_row) * hpt;
+      const int64_t kv0 = h0 / group, kv1 = kv0 + ceil_div(hpt, group);  // kv heads it reads
       const int64_t L = p.kv_len[m];
       const int64_t* slot = ks.slots.data() + ks.start[m];
-      const T* qr = qkv + m * row_stride + h * D;
-      for (int64_t d = 0; d < D; ++d) q[d] = ld(qr + d);
-      scores.resize(L);
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        const float s = qdot(q.data(), k_cache + (slot[j] * Hkv + kvh) * D, D) * scale;
-        scores[j] = s;
-        mx = s > mx ? s : mx;
+      for (int64_t g = 0; g < hpt; ++g) {
+        const T* qr = qkv + m * row_stride + (h0 + g) * D;
+        for (int64_t c = 0; c < chunks; ++c) {  // zero past D
+          _mm512_storeu_ps(&q[g * width + c * LANES], vld(qr + c * LANES, first(D - c * LANES)));
+        }
       }
-      float sum = 0.f;
+      // Key j's kv heads kv0 .. kv1 in `cache`, and the same a few keys ahead brought in.
+      const int64_t bytes = (kv1 - kv0) * D * static_cast<int64_t>(sizeof(T));
+      auto key = [&](const T* cache, int64_t j) {
+        if (j + PREFETCH_KEYS < L) {
+          const char* r =
+              reinterpret_cast<const char*>(cache + (slot[j + PREFETCH_KEYS] * Hkv + kv0) * D);
+          for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+        }
+        return cache + (slot[j] * Hkv + kv0) * D;
+      };
+      scores.resize(hpt * L);
+      for (int64_t j = 0; j < L; ++j) {
+        const T* k = key(k_cache, j);
+        __m512 dot[MAX_HEADS];
+        for (int64_t g = 0; g < hpt; ++g) dot[g] = _mm512_setzero_ps();
+        for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512 kc = vld(k + kv * D + c * LANES, first(D - c * LANES));
+            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
+              dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(&q[g * width + c * LANES]), kc, dot[g]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < hpt; ++g) scores[g * L + j] = _mm512_reduce_add_ps(dot[g]) * scale;
+      }
+      float sum[MAX_HEADS];
+      for (int64_t g = 0; g < hpt; ++g) {  // probabilities, unnormalised, rounded to T
+        float* sg = scores.data() + g * L;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L; j += LANES) {
+          const __mmask16 k = first(L - j);
+          mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sg + j));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j += LANES) {
+          const __mmask16 k = first(L - j);
+          const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), top);
+          const __m512 e = _mm512_maskz_mov_ps(k, vexp(x));
+          total = _mm512_add_ps(total, e);
+          _mm512_mask_storeu_ps(sg + j, k, vrnd<T>(e));
+        }
+        sum[g] = _mm512_reduce_add_ps(total);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < L; ++j) {
-        float e = std::exp(scores[j] - mx);
-        sum += e;
-        float pe = rnd<T>(e);
-        axpy(acc.data(), pe, v_cache + (slot[j] * Hkv + kvh) * D, D);
+        const T* v = key(v_cache, j);
+        for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m512 vc = vld(v + kv * D + c * LANES, first(D - c * LANES));
+            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
+              float* a = &acc[g * width + c * LANES];
+              const __m512 pe = _mm512_set1_ps(scores[g * L + j]);
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(pe, vc, _mm512_loadu_ps(a)));
+            }
+          }
+        }
       }
-      T* o = out + (m * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) st(o + d, acc[d] / sum);
+      for (int64_t g = 0; g < hpt; ++g) {
+        const __m512 total = _mm512_set1_ps(sum[g]);
+        T* o = out + (m * H + h0 + g) * D;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512 a = _mm512_loadu_ps(&acc[g * width + c * LANES]);
+          vst(o + c * LANES, _mm512_div_ps(a, total), first(D - c * LANES));
+        }
+      }
     }
   });
 }
