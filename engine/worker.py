@@ -77,8 +77,7 @@ class Worker:
             spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
-        if config.device.type == "cpu":  # bf16 weights: oneDNN's faster layout (no-op otherwise)
-            pack_cpu_linears(self.model)
+        if config.device.type == "cpu":
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
@@ -87,6 +86,8 @@ class Worker:
                     enable_cpu_fast_draft(spec.draft)
             else:
                 logger.info("CPU decode fast path off: %s", reason)
+            # bf16 weights the fast path does not serve: oneDNN's faster layout (no-op otherwise).
+            pack_cpu_linears(self.model)
             if spec is not None:
                 pack_cpu_linears(spec.draft)
         self.runner = ModelRunner(

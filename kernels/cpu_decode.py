@@ -172,9 +172,9 @@ def _row_args(rows: StepRows) -> tuple[torch.Tensor, ...]:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows (``x`` [M, K]; ``packed``: ``pack(weight)``, weight
-    [out_features, K] in x's dtype), reading the weight once for all rows (fp32 accumulation,
-    output in x's dtype)."""
+    """``x @ weight.T`` (``x`` [M, K]; ``packed``: ``pack(weight)``, weight [out_features, K]
+    in x's dtype), each block of the weight read from memory once for all rows (fp32
+    accumulation, output in x's dtype)."""
     return _ext_or_raise().linear(x, packed, out_features)
 
 

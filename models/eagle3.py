@@ -21,6 +21,7 @@ from models.llama import (
     fast_path_accepts,
     fast_step_rows,
     fast_weights,
+    share_fast_weights,
 )
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
@@ -67,6 +68,7 @@ class Eagle3FastPath:
         attn = layer.self_attn
         self.attention = attn.attn
         self.weights = fast_weights(self.layer_weights(layer))
+        share_fast_weights(attn, layer.mlp, [self.weights[i] for i in (2, 3, 5, 6)])
         self.dtype = self.weights[0].dtype
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.intermediate = layer.mlp.down_proj.weight.shape[1]

@@ -260,7 +260,7 @@ def _packed_linear(
 
 
 def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
-    """Route the small-batch logits of every unsharded CPU LM head in ``model`` through
+    """Route the logits of every unsharded CPU LM head in ``model`` through
     ``kernels.cpu_decode.linear`` (a packed copy of the weight, read once for all rows; the
     caller has loaded the extension). Returns how many heads were switched."""
     n = 0
@@ -277,8 +277,8 @@ def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Give every bfloat16 linear and LM head of ``model`` on CPU a copy of its weight in
-    oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout
+    """Give every bfloat16 linear and LM head of ``model`` on CPU (but those the fast path's
+    packed copy already serves: ``fast_weight``) a copy of its weight in oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout
     (decode is bound by reading weights). Inference only: the copy does not follow later
     in-place weight updates. Returns the number of packed weights; 0 where oneDNN bf16 is
     unavailable or disagrees with ``F.linear`` on a probe."""
@@ -286,6 +286,7 @@ def pack_cpu_linears(model: nn.Module) -> int:
         m
         for m in model.modules()
         if isinstance(m, (LinearBase, ParallelLMHead))
+        and m.fast_weight is None  # the fast path's packed copy serves it
         and m.weight.device.type == "cpu"
         and m.weight.dtype == torch.bfloat16
         and m.weight.dim() == 2
@@ -317,6 +318,9 @@ def pack_cpu_linears(model: nn.Module) -> int:
 
 class LinearBase(nn.Module):
     packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
+    # Set where the CPU fast path runs the layer: its packed copy of the weight
+    # (``kernels.cpu_decode.pack``), read by the eager forward too (no oneDNN copy then).
+    fast_weight: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -336,6 +340,14 @@ class LinearBase(nn.Module):
         copy_checked(param, read_loaded(loaded))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (
+            self.fast_weight is not None
+            and bias is None
+            and x.dim() == 2
+            and x.shape[0] > 0
+            and x.dtype == self.weight.dtype
+        ):
+            return cpu_decode.linear(x, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
@@ -510,7 +522,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head whose rows (vocabulary) are split across ranks; logits are gathered."""
 
     packed_weight: torch.Tensor | None = None  # bf16 on CPU: ``pack_cpu_linears``
-    # Set: up to ``cpu_decode.MAX_ROWS`` rows go through ``kernels.cpu_decode.linear`` with it.
+    # Set: logits go through ``kernels.cpu_decode.linear`` with it (no oneDNN copy then).
     fast_weight: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -522,7 +534,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
         if (
             self.fast_weight is not None
-            and 0 < hidden.shape[0] <= cpu_decode.MAX_ROWS
+            and hidden.dim() == 2
+            and hidden.shape[0] > 0
             and hidden.dtype == self.weight.dtype
         ):
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])

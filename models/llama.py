@@ -235,6 +235,15 @@ def fast_weights(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [cpu_decode.pack(w) if w.dim() == 2 else w.detach() for w in weights]
 
 
+def share_fast_weights(attn: nn.Module, mlp: nn.Module, packed: list[torch.Tensor]) -> None:
+    """The eager linears of a fast-path layer read the fast path's packed matrices (``packed``
+    in the extension's order: QKV, O, gate/up, down) for the steps it does not take: one
+    packed copy of each weight in memory, not also oneDNN's."""
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    for linear, weight in zip(linears, packed, strict=True):
+        linear.fast_weight = weight
+
+
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
     at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
@@ -251,9 +260,11 @@ class CpuStackFastPath:
         self.eps = float(layer0.input_layernorm.eps)
         self.scale = float(attn.attn.scale)
         self.cos_sin = attn.rotary_emb.cos_sin
-        self.weights = [
-            w for layer in model.layers for w in fast_weights(self.layer_weights(layer))
-        ]
+        self.weights: list[torch.Tensor] = []
+        for layer in model.layers:
+            weights = fast_weights(self.layer_weights(layer))
+            share_fast_weights(layer.self_attn, layer.mlp, [weights[i] for i in (1, 2, 4, 5)])
+            self.weights += weights
         self.attention = [layer.self_attn.attn for layer in model.layers]
 
     @staticmethod

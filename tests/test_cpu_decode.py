@@ -207,6 +207,34 @@ def test_large_steps_and_unsupported_models_use_the_eager_path(
         assert enable_cpu_fast_path(llm.engine.executor.worker.model) == "TANDEM_CPU_FAST_DECODE=0"
 
 
+def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
+    """Steps too large for the fast path run the eager layers, whose linears read the fast
+    path's packed matrices (the same tensors: one packed copy in memory, no oneDNN copy); a
+    prefill of more than MAX_ROWS rows through them still gives transformers' greedy output."""
+    prompts = [list(range(1, cpu_decode.MAX_ROWS + 30)), [7, 8, 9]]
+    ref = hf_greedy(tiny, prompts, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
+        model = inner_model(llm)
+        fast = model.fast_path
+        assert isinstance(fast, CpuStackFastPath)
+        per_layer = len(fast.weights) // len(model.layers)
+        for i, layer in enumerate(model.layers):
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+            linears += (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for linear, j in zip(linears, (1, 2, 4, 5), strict=True):
+                assert linear.fast_weight is fast.weights[i * per_layer + j]
+                assert linear.packed_weight is None
+        outs = llm.generate(prompts, params)
+    for out, expected in zip(outs, ref, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == expected["tokens"]
+        diffs = [
+            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
+        ]
+        assert max(diffs) < 1e-4
+
+
 def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
     with LLM(str(tiny), dtype="float32") as llm:
         fast = inner_model(llm).fast_path
