@@ -102,6 +102,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama(tmp_path_factory.mktemp("cpu-fast") / "llama", **TINY)
 
 
+def assert_greedy_matches(outs: list[Any], ref: list[dict[str, Any]]) -> None:
+    """Tokens equal transformers' greedy ones, chosen logprobs within 1e-4 (fp32)."""
+    for out, expected in zip(outs, ref, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == expected["tokens"]
+        diffs = [
+            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
+        ]
+        assert max(diffs) < 1e-4
+
+
 def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
     ref = hf_greedy(tiny, PROMPTS, 24)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -112,13 +123,7 @@ def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
             outs = llm.generate(PROMPTS, params)
             steps = len(records)
             alone = llm.generate(PROMPTS[1:2], params)  # its prefill fits the fast path
-    for out, expected in zip(outs, ref, strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == expected["tokens"]
-        diffs = [
-            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
-        ]
-        assert max(diffs) < 1e-4
+    assert_greedy_matches(outs, ref)
     assert alone[0].outputs[0].token_ids == ref[1]["tokens"]
     # Every step took the fast path: the 60-row batched prefill, the decode steps, and the lone
     # prompt's prefill and decode.
@@ -226,13 +231,7 @@ def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
                 assert linear.fast_weight is fast.weights[i * per_layer + j]
                 assert linear.packed_weight is None
         outs = llm.generate(prompts, params)
-    for out, expected in zip(outs, ref, strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == expected["tokens"]
-        diffs = [
-            abs(lp.logprob - e) for lp, e in zip(got.logprobs, expected["logprobs"], strict=True)
-        ]
-        assert max(diffs) < 1e-4
+    assert_greedy_matches(outs, ref)
 
 
 def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
