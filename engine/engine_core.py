@@ -3,8 +3,9 @@
 The API process talks to this loop through two queues of the message types below. The loop
 blocks on its input queue only when it has nothing to run; otherwise it drains what arrived,
 runs one ``step()`` and sends that step's outputs in one message (as ``OutputDelta``: what each
-request gained) together with a stats snapshot and a heartbeat timestamp. When idle it still sends a heartbeat every ``heartbeat_interval_s``,
-so the API process can tell a busy engine from a dead or hung one.
+request gained) together with a stats snapshot and a heartbeat timestamp. When idle it still
+sends a heartbeat every ``heartbeat_interval_s``, so the API process can tell a busy engine from
+a dead or hung one.
 
 A step that raises fails the requests that step was running (``RequestsFailed``; waiting and
 other requests are untouched) and the loop carries on, unless the engine cannot be trusted any
