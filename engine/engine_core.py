@@ -186,8 +186,9 @@ def warm_up(engine: Any) -> None:
         engine.step()
     if engine.has_unfinished_requests():
         raise RuntimeError("the warm-up requests did not finish")
-    # The warm-up's prompt blocks must not be served as a cache hit to users.
-    engine.block_manager.reset_prefix_cache()
+    # The warm-up's prompt blocks must not be served as a cache hit to users (on any DP rank:
+    # under attention DP the two requests run on different ranks).
+    engine.reset_prefix_cache()
 
 
 def _failed_step_requests(engine: EngineLike, live: set[str]) -> list[str]:

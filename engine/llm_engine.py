@@ -155,6 +155,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished() for s in self.schedulers)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block, on every DP rank."""
+        for bm in self.block_managers:
+            bm.reset_prefix_cache()
+
     # -------------------------------------------------------------- step
 
     def _step_input(self, scheduled: list[ScheduledRequest], finished: list[str]) -> StepInput:

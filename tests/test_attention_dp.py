@@ -310,6 +310,34 @@ def test_scan_clears_the_previous_steps_group_flag() -> None:
     assert meta.wants_advanced_draft_sampling
 
 
+def test_warm_up_leaves_no_cached_prompt_on_any_rank(ckpts: tuple[Path, Path]) -> None:
+    from engine.engine_core import warm_up
+
+    with LLM(  # 4-token blocks: the 8-token warm-up prompt fills two
+        str(ckpts[0]),
+        dtype="float32",
+        tensor_parallel_size=2,
+        enable_attention_dp=True,
+        block_size=4,
+    ) as llm:
+        engine = llm.engine
+        cached: list[int] = []
+        reset = engine.reset_prefix_cache
+
+        def spy() -> None:  # how many blocks each rank had cached just before the reset
+            cached.extend(len(bm.cached) for bm in engine.block_managers)
+            reset()
+
+        engine.reset_prefix_cache = spy  # type: ignore[method-assign]
+        warm_up(engine)
+        assert len(cached) == 2 and min(cached) > 0, cached  # both ranks ran a warm-up
+        assert [len(bm.cached) for bm in engine.block_managers] == [0, 0]
+        # A user prompt equal to the warm-up's is no cache hit on either rank.
+        hits = engine.get_stats().prefix_cache_hits
+        llm.generate([list(range(1, 9))] * 2, SamplingParams(temperature=0, max_tokens=1))
+        assert engine.get_stats().prefix_cache_hits == hits
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_rank_fails_the_adp_step(ckpts: tuple[Path, Path]) -> None:
     from engine.executor import MultiProcExecutor, RankFailedError
