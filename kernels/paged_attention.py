@@ -140,11 +140,14 @@ class AttentionPlan:
     slots:    [num_seqs * max_seq_len] int64 flat cache slots (0 beyond each sequence's length).
     mask:     [num_seqs, 1, max_query_len, max_seq_len] bool, True = attend (causal + length);
               None when every key is visible to every query (one query token per sequence and
-              every sequence exactly max_seq_len long, e.g. batch-1 decode).
+              every sequence exactly max_seq_len long, e.g. batch-1 decode), or when ``causal``.
     pad_idx:  [num_tokens] int64 row of each query token in the padded [num_seqs * max_query_len]
               layout, or None when the batch is pure decode with one token per sequence.
     write_slots, write_rows: the KV-write slots of the rows with a valid slot, and those rows
               (None: every row); only when the plan was built with the step's slot mapping.
+    causal:   every sequence's queries are all of its positions (a prefill with nothing cached):
+              the mask is plain causal, which SDPA runs without it (CPU only: deciding reads
+              the sequence lengths).
     """
 
     slots: Tensor
@@ -157,6 +160,7 @@ class AttentionPlan:
     block_size: int
     write_slots: Tensor | None = None
     write_rows: Tensor | None = None
+    causal: bool = False
 
 
 def build_attention_plan(
@@ -196,8 +200,14 @@ def build_attention_plan(
         slots = torch.where(key_valid, slots, torch.zeros_like(slots))
     # Flat: index_select on [num_slots, Hkv, D] is several times faster than [B, S] indexing.
     slots = slots.view(-1)
+    causal = (
+        device.type == "cpu"
+        and not decode
+        and max_query_len == max_seq_len
+        and num_tokens == int(seq_lens.sum())  # query lengths <= sequence lengths: all equal
+    )
     mask = None
-    if not (decode and full_keys):
+    if not (decode and full_keys) and not causal:
         query_lens = qsl[1:] - qsl[:-1]  # [B]
         j = torch.arange(max_query_len, device=device)
         q_pos = (seq_lens - query_lens)[:, None] + j[None, :]  # [B, Q]
@@ -232,6 +242,7 @@ def build_attention_plan(
         block_size=block_size,
         write_slots=write_slots,
         write_rows=write_rows,
+        causal=causal,
     )
 
 
@@ -251,6 +262,17 @@ def _paged_attention_torch(
     v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
     k = k.view(B, S, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     v = v.view(B, S, num_kv_heads, head_dim).transpose(1, 2)
+    if plan.causal and plan.pad_idx is not None:
+        # Plain causal (padded query rows j >= a sequence's length see padding keys; they are
+        # dropped): SDPA's own causal path skips the masked blocks and shares kv heads itself.
+        q_pad = q.new_zeros(B * Q, num_heads, head_dim)
+        q_pad.index_copy_(0, plan.pad_idx, q)
+        q_bhqd = q_pad.view(B, Q, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_bhqd, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
+        )
+        out = out.transpose(1, 2).reshape(B * Q, num_heads, head_dim)
+        return out.index_select(0, plan.pad_idx)
     if plan.pad_idx is None:  # one query token per sequence
         q_fold = q.reshape(B, num_kv_heads, group, head_dim)  # a view unless q is odd-strided
         mask = plan.mask  # [B, 1, 1, S] broadcasts over the G folded rows

@@ -326,6 +326,22 @@ def test_full_keys_decode_plan_drops_the_mask():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_fresh_prefill_plan_is_plain_causal(dtype):
+    """Prompts with nothing cached: no mask, SDPA's causal path (GQA shared by SDPA); a prefix
+    in the cache, or a decode row, keeps the mask."""
+    cases = {"prefill": True, "chunked_prefill": False, "mixed": False, "decode": False}
+    for scenario, causal in cases.items():
+        b = make_batch(SCENARIOS[scenario], 8, 2, 16, block_size=4, dtype=dtype)
+        plan = build_attention_plan(
+            b.block_tables, b.seq_lens, b.query_start_loc, 4, b.max_query_len, b.max_seq_len
+        )
+        assert plan.causal is causal and (plan.mask is None) is causal, scenario
+        assert_close(
+            paged_attention(*b.args(), plan=plan), paged_attention_reference(*b.args()), dtype
+        )
+
+
 def test_write_then_attend_round_trip():
     # Writing a chunk's K/V through slot mapping and attending gives the reference answer.
     b = make_batch([(5, 3), (0, 4)], 4, 2, 16, block_size=4)
