@@ -368,30 +368,51 @@ struct KeySlots {
 // out[m, h, :] = softmax(q k^T * scale) v over the row's keys; query head h reads kv head
 // h / (H / Hkv). fp32 scores and accumulation; probabilities rounded to T before the value sum
 // (as the CPU flash-attention kernel does for reduced precision).
+//
+// A row's keys go in pieces of KEY_CHUNK (a long context spreads over the threads even for one
+// row); a row with several pieces merges them flash-decoding style (each piece's softmax is
+// taken against its own maximum, then rescaled). The pieces depend on the row's key count
+// only, never on the batch, so a row's result is the same alone or in any batch.
 template <typename T>
 void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_cache, T* out,
                const Paged& p, const KeySlots& ks, int64_t M, int64_t H, int64_t Hkv, int64_t D,
                float scale) {
-  constexpr int64_t MAX_HEADS = 64, PREFETCH_KEYS = 4;
+  constexpr int64_t MAX_HEADS = 64, PREFETCH_KEYS = 4, KEY_CHUNK = 512;
   const int64_t group = H / Hkv, threads = at::get_num_threads();
+  const int64_t chunks = ceil_div(D, LANES), width = chunks * LANES;
+  // Pieces: (row, first key, end key); the partial results of multi-piece rows go to `part`.
+  struct Piece {
+    int64_t m, j0, j1, part;  // part: index of its partials, -1 if it is the row's only piece
+  };
+  std::vector<Piece> pieces;
+  int64_t parts = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t L = p.kv_len[m], n = std::max<int64_t>(1, ceil_div(L, KEY_CHUNK));
+    for (int64_t c = 0; c < n; ++c) {
+      pieces.push_back({m, c * KEY_CHUNK, std::min(L, (c + 1) * KEY_CHUNK), n > 1 ? parts++ : -1});
+    }
+  }
+  const int64_t P = static_cast<int64_t>(pieces.size());
   // Heads per task: all of a row's (each key's kv heads sit side by side in the cache: one
   // contiguous read), else one kv head's group (each key read and widened once for them), else
-  // one head, as the rows allow keeping every thread busy.
+  // one head, as the pieces allow keeping every thread busy. (Same arithmetic either way.)
   int64_t hpt = 1;
-  if (H <= MAX_HEADS && M >= 2 * threads) {
+  if (H <= MAX_HEADS && P >= 2 * threads) {
     hpt = H;
-  } else if (group <= MAX_HEADS && M * Hkv >= 2 * threads) {
+  } else if (group <= MAX_HEADS && P * Hkv >= threads) {
     hpt = group;
   }
   const int64_t per_kv = std::min(hpt, group);  // heads of the task per kv head it reads
-  const int64_t tasks_per_row = H / hpt, chunks = ceil_div(D, LANES), width = chunks * LANES;
-  at::parallel_for(0, M * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+  const int64_t sets = H / hpt;
+  // Partials per (part, head): the piece's max score, its probability sum, its value sum.
+  std::vector<float> part_max(parts * H), part_sum(parts * H), part_acc(parts * H * width);
+  at::parallel_for(0, P * sets, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(hpt * width), acc(hpt * width), scores;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t m = t / tasks_per_row, h0 = (t % tasks_per_row) * hpt;
+      const Piece& pc = pieces[t / sets];
+      const int64_t m = pc.m, h0 = (t % sets) * hpt, L = pc.j1 - pc.j0;
       const int64_t kv0 = h0 / group, kv1 = kv0 + ceil_div(hpt, group);  // kv heads it reads
-      const int64_t L = p.kv_len[m];
-      const int64_t* slot = ks.slots.data() + ks.start[m];
+      const int64_t* slot = ks.slots.data() + ks.start[m] + pc.j0;
       for (int64_t g = 0; g < hpt; ++g) {
         const T* qr = qkv + m * row_stride + (h0 + g) * D;
         for (int64_t c = 0; c < chunks; ++c) {  // zero past D
@@ -423,7 +444,7 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
         }
         for (int64_t g = 0; g < hpt; ++g) scores[g * L + j] = _mm512_reduce_add_ps(dot[g]) * scale;
       }
-      float sum[MAX_HEADS];
+      float sum[MAX_HEADS], top_of[MAX_HEADS];
       for (int64_t g = 0; g < hpt; ++g) {  // probabilities, unnormalised, rounded to T
         float* sg = scores.data() + g * L;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -431,7 +452,8 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
           const __mmask16 k = first(L - j);
           mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sg + j));
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        top_of[g] = _mm512_reduce_max_ps(mx);
+        const __m512 top = _mm512_set1_ps(top_of[g]);
         __m512 total = _mm512_setzero_ps();
         for (int64_t j = 0; j < L; j += LANES) {
           const __mmask16 k = first(L - j);
@@ -457,6 +479,13 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
         }
       }
       for (int64_t g = 0; g < hpt; ++g) {
+        if (pc.part >= 0) {  // one piece of several: keep the partials
+          const int64_t i = pc.part * H + h0 + g;
+          part_max[i] = top_of[g];
+          part_sum[i] = sum[g];
+          std::copy_n(&acc[g * width], width, &part_acc[i * width]);
+          continue;
+        }
         const __m512 total = _mm512_set1_ps(sum[g]);
         T* o = out + (m * H + h0 + g) * D;
         for (int64_t c = 0; c < chunks; ++c) {
@@ -464,6 +493,34 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
           vst(o + c * LANES, _mm512_div_ps(a, total), first(D - c * LANES));
         }
       }
+    }
+  });
+  if (parts == 0) return;
+  // Merge the pieces of each multi-piece row: rescale each to the row's maximum.
+  at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(width);
+    for (int64_t mh = begin; mh < end; ++mh) {
+      const int64_t m = mh / H, h = mh % H;
+      if (p.kv_len[m] <= KEY_CHUNK) continue;
+      int64_t first_part = -1, n = 0;
+      for (const Piece& pc : pieces) {
+        if (pc.m == m) {
+          if (first_part < 0) first_part = pc.part;
+          ++n;
+        }
+      }
+      float top = -INFINITY;
+      for (int64_t c = 0; c < n; ++c) top = std::max(top, part_max[(first_part + c) * H + h]);
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < n; ++c) {
+        const int64_t i = (first_part + c) * H + h;
+        const float w = std::exp(part_max[i] - top);
+        total += w * part_sum[i];
+        for (int64_t d = 0; d < width; ++d) acc[d] += w * part_acc[i * width + d];
+      }
+      T* o = out + (m * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) st(o + d, acc[d] / total);
     }
   });
 }

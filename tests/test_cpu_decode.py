@@ -234,6 +234,27 @@ def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
     assert_greedy_matches(outs, ref)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_contexts_attend_in_pieces_and_equal_eager(tmp_path: Path, dtype: str) -> None:
+    """Rows with more than 512 keys attend in pieces merged flash-decoding style: decode steps
+    of a 1099-token prompt (3 pieces) next to a short one (1 piece) equal the eager layers, and
+    in fp32 the greedy output equals transformers'."""
+    folder = build_llama(tmp_path / "long", **TINY, max_position_embeddings=1200)
+    prompts = [[(7 * i) % 290 + 5 for i in range(1099)], [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    records: list[dict[str, Any]] = []
+    with LLM(str(folder), dtype=dtype, max_num_seqs=4, max_model_len=1200) as llm:
+        with checked_against_eager(inner_model(llm), records):
+            outs = llm.generate(prompts, params)
+    assert len(records) == 5 and all(r["rows"] == 2 for r in records)  # the decode steps
+    tol = 1e-4 if dtype == "float32" else 0.03
+    for r in records:
+        assert r["hidden"] <= tol * max(1.0, r["scale"]), r
+        assert r["kv"] <= tol * 4, r
+    if dtype == "float32":
+        assert_greedy_matches(outs, hf_greedy(folder, prompts, 6))
+
+
 def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
     with LLM(str(tiny), dtype="float32") as llm:
         fast = inner_model(llm).fast_path
