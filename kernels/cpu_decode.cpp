@@ -385,9 +385,12 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
     int64_t m, j0, j1, part;  // part: index of its partials, -1 if it is the row's only piece
   };
   std::vector<Piece> pieces;
+  std::vector<int64_t> row_part(M, -1), row_pieces(M);  // a row's first partials, its pieces
   int64_t parts = 0;
   for (int64_t m = 0; m < M; ++m) {
     const int64_t L = p.kv_len[m], n = std::max<int64_t>(1, ceil_div(L, KEY_CHUNK));
+    row_pieces[m] = n;
+    if (n > 1) row_part[m] = parts;
     for (int64_t c = 0; c < n; ++c) {
       pieces.push_back({m, c * KEY_CHUNK, std::min(L, (c + 1) * KEY_CHUNK), n > 1 ? parts++ : -1});
     }
@@ -500,15 +503,8 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
   at::parallel_for(0, M * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(width);
     for (int64_t mh = begin; mh < end; ++mh) {
-      const int64_t m = mh / H, h = mh % H;
-      if (p.kv_len[m] <= KEY_CHUNK) continue;
-      int64_t first_part = -1, n = 0;
-      for (const Piece& pc : pieces) {
-        if (pc.m == m) {
-          if (first_part < 0) first_part = pc.part;
-          ++n;
-        }
-      }
+      const int64_t m = mh / H, h = mh % H, first_part = row_part[m], n = row_pieces[m];
+      if (first_part < 0) continue;  // one piece: written directly
       float top = -INFINITY;
       for (int64_t c = 0; c < n; ++c) top = std::max(top, part_max[(first_part + c) * H + h]);
       float total = 0.f;
