@@ -107,6 +107,11 @@ def test_distillation_resumes_after_a_partial_line(target: Path, tmp_path: Path)
     rows = D.distill(target, PROMPTS, out, max_tokens=8)
     assert rows[:2] == first and len(rows) == len(PROMPTS)
     assert D.read_responses(out) == rows
+    import gzip
+
+    packed = tmp_path / "responses.jsonl.gz"
+    packed.write_bytes(gzip.compress(out.read_bytes()))
+    assert D.read_responses(packed) == rows
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -272,6 +277,56 @@ def test_feature_cache_is_per_sequence_and_survives_more_data(
     other = F.FeatureStore(model, seqs, [[2, 3]], (0, 1, 2), tmp_path)  # other capture layers
     other.get(0)
     assert calls == [1, 1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_soft_labels_are_the_targets_distribution_for_each_label(
+    target: Path, trained: dict[str, Path], tmp_path: Path, method: str
+) -> None:
+    """Each draft step's teacher row is the target state that predicted that step's label: the
+    target's argmax over it is the distilled greedy token; the soft loss is the KL divergence
+    from the target's softmax (0 for a draft that reproduces it), and hard labels still train."""
+    from unittest import mock
+
+    from engine.training import trainer as T
+    from models.loader import load_model
+
+    seen: list[tuple] = []
+    responses = str(trained["eagle3"] / "responses.jsonl")
+    real = T.train_step
+
+    def spy(head, feats, a, opt, params):  # noqa: ANN001, ANN202
+        loss = head.loss
+        head.loss = lambda h, lab, t: seen.append((head, h.detach(), lab, t)) or loss(h, lab, t)
+        try:
+            return real(head, feats, a, opt, params)
+        finally:
+            del head.loss
+
+    with mock.patch.object(T, "train_step", spy):
+        train_draft(_args(method, tmp_path / "soft", target, responses=responses, max_steps=2))
+    assert len(seen) == 2 * 3  # two optimizer steps of three draft steps, each with a teacher
+    model = load_model(str(target), dtype=torch.float32)
+    for _, _, labels, teacher in seen:
+        assert teacher is not None and teacher.shape[0] == labels.shape[0]
+        pred = model.compute_logits(teacher.float()).argmax(-1)
+        assert (pred == labels).float().mean() > 0.97
+    head, hidden, labels, teacher = seen[-1]
+    full = model.compute_logits(teacher.float())
+    same = full if method == "mtp" else full[:, head.vocab_ids]
+    with mock.patch.object(head.draft, "compute_logits", lambda i, x: same):
+        assert abs(float(head.loss(hidden, labels, teacher)[0])) < 1e-4
+    with mock.patch.object(head.draft, "compute_logits", lambda i, x: same * 0.5):
+        assert float(head.loss(hidden, labels, teacher)[0]) > 1e-3
+    # Hard labels, under bf16 autocast: trains, and the weights stay fp32.
+    hard = _args(method, tmp_path / "hard", target, responses=responses, labels="hard", bf16=True)
+    hard.max_steps, hard.log_every = 2, 1
+    done = train_draft(hard)
+    assert done.steps == 2 and all(done.last[f"loss{j}"] > 0 for j in range(3)), done.last
+    state = torch.load(tmp_path / "hard" / STATE_FILE, weights_only=False)["draft"]
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+    with pytest.raises(ValueError, match="labels"):
+        _args(method, tmp_path / "bad", target, labels="fuzzy")
 
 
 def test_text_file_training_uses_the_targets_predictions(target: Path, tmp_path: Path) -> None:

@@ -52,6 +52,15 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     t.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j: d**j")
+    t.add_argument(
+        "--labels",
+        default="soft",
+        choices=("soft", "hard"),
+        help="learn the target's distribution (soft, Eagle3's loss) or its greedy token (hard)",
+    )
+    t.add_argument(
+        "--bf16", action="store_true", help="train under bf16 autocast (fp32 weights; faster)"
+    )
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="Eagle3 only")
     t.add_argument("--capture-layers", type=_layers, default=None, help="Eagle3: e.g. 1,14,26")
     t.add_argument("--max-loss-rows", type=int, default=1024, help="MTP: LM-head rows per step")
@@ -131,6 +140,8 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=ns.warmup_steps,
         ttt_steps=ns.ttt_steps,
         step_decay=ns.step_decay,
+        labels=ns.labels,
+        bf16=ns.bf16,
         draft_vocab_size=ns.draft_vocab_size,
         capture_layers=ns.capture_layers,
         max_loss_rows=ns.max_loss_rows,

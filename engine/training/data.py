@@ -10,6 +10,7 @@ Only complete lines count, so a file that another process is still appending to 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -80,9 +81,11 @@ def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def read_responses(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The complete lines of a responses file (a partial last line is ignored)."""
+    """The complete lines of a responses file (a partial last line is ignored); ``.gz``
+    files are read compressed."""
     rows: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             if not line.endswith("\n"):
                 break  # still being written

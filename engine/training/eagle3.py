@@ -131,14 +131,24 @@ class Eagle3Head:
         ``set_input_scale``)."""
         return self.draft.combine_hidden([f.aux.float() * self.input_scale.to(f.aux.device)])
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Cross-entropy over the draft vocabulary (labels outside it count as misses);
-        returns (mean loss, correct argmax count)."""
+    def loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Returns (mean loss, correct argmax count; labels outside the draft vocabulary count
+        as misses). With ``teacher`` (the target's final states [n, H] that predict
+        ``labels``): the KL divergence from the target's distribution over the draft
+        vocabulary (its LM-head rows for those tokens, renormalised, as Eagle3 trains); else
+        cross-entropy against ``labels``."""
         logits = self.draft.compute_logits(0, hidden).float()  # [n, draft_V]
         target = self.t2d_index.to(labels.device)[labels]
-        loss = F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / max(
-            1, labels.numel()
-        )
+        n = max(1, labels.numel())
+        if teacher is None:
+            loss = F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / n
+        else:
+            with torch.no_grad(), torch.autocast(teacher.device.type, enabled=False):
+                rows = self.target.lm_head.weight[self.vocab_ids.to(teacher.device)].float()
+                log_p = (teacher.float() @ rows.T).log_softmax(-1)
+            loss = F.kl_div(logits.log_softmax(-1), log_p, log_target=True, reduction="sum") / n
         correct = int((logits.argmax(-1) == target).sum())
         return loss, correct
 

@@ -73,18 +73,28 @@ class MTPHead:
         """[B, T, H]: the target's final hidden state (what the engine passes to MTP)."""
         return f.final.float()
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Cross-entropy through the frozen full-vocabulary LM head on at most
-        ``max_loss_rows`` random rows (the head is 49152 × H for the built-in model); returns
-        (mean loss, correct argmax count over those rows) — scaled so the count estimates all
-        rows."""
+    def loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """The loss through the frozen full-vocabulary LM head on at most ``max_loss_rows``
+        random rows (the head is 49152 × H for the built-in model): with ``teacher`` (the
+        target's final states [n, H] that predict ``labels``) the KL divergence from the
+        target's distribution, else cross-entropy against ``labels``. Returns (mean loss,
+        correct argmax count over those rows — scaled so the count estimates all rows)."""
         n = labels.numel()
         if n > self.max_loss_rows:
             keep = torch.randperm(n, generator=self.generator)[: self.max_loss_rows]
             keep = keep.to(labels.device)
             hidden, labels = hidden[keep], labels[keep]
+            teacher = None if teacher is None else teacher[keep]
         logits = self.draft.compute_logits(0, hidden).float()
-        loss = F.cross_entropy(logits, labels)
+        if teacher is None:
+            loss = F.cross_entropy(logits, labels)
+        else:
+            with torch.no_grad(), torch.autocast(teacher.device.type, enabled=False):
+                log_p = self.target.compute_logits(teacher.float()).float()
+                log_p = log_p.log_softmax(-1)
+            loss = F.kl_div(logits.log_softmax(-1), log_p, log_target=True, reduction="batchmean")
         correct = int((logits.argmax(-1) == labels).sum()) * n / max(1, labels.numel())
         return loss, round(correct)
 

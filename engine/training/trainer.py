@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "training_state.pt"
 LOG_FILE = "train_log.jsonl"
 METHODS = ("eagle3", "mtp")
+LABELS = ("soft", "hard")
 
 
 @dataclass
@@ -54,6 +55,8 @@ class TrainArgs:
     grad_clip: float = 1.0
     ttt_steps: int = 3
     step_decay: float = 0.8
+    labels: str = "soft"  # soft: the target's distribution (Eagle3's loss); hard: its token
+    bf16: bool = False  # the draft's forward and backward under bf16 autocast (fp32 weights)
     draft_vocab_size: int = 8192
     capture_layers: tuple[int, ...] | None = None
     max_loss_rows: int = 1024
@@ -72,6 +75,8 @@ class TrainArgs:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is invalid: use one of {METHODS}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels={self.labels!r} is invalid: use one of {LABELS}")
         for name in ("batch_tokens", "ttt_steps", "draft_vocab_size", "save_every", "log_every"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be >= 1")
@@ -302,14 +307,21 @@ def train_draft(args: TrainArgs) -> TrainResult:
 def train_step(
     head: Any, feats: Any, args: TrainArgs, opt: torch.optim.Optimizer, params: list
 ) -> dict[str, float]:
-    """One optimizer step over one batch; returns summed per-step losses and counts."""
+    """One optimizer step over one batch; returns summed per-step losses and counts.
+
+    ``labels="soft"``: step ``j`` of the chain rooted at row ``i`` learns the target's own
+    distribution for the token at ``i + j + 2`` (its LM head over the final state of row
+    ``i + j + 1``); the logged loss is then the KL divergence (0 when the draft matches the
+    target). ``"hard"``: cross-entropy against the target's greedy token."""
     device = torch.device(args.device)
     tokens = feats.tokens.to(device)
     labels = feats.labels.to(device)
     feats.aux, feats.final = feats.aux.to(device), feats.final.to(device)
     draft = head.draft
+    t = tokens.shape[1]
     draft.train()
-    with dense_attention(draft):
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    with dense_attention(draft), amp:
         outs = unroll_draft(draft, tokens, head.hidden0(feats), args.ttt_steps)
     total = torch.zeros((), device=device)
     stats: dict[str, float] = {}
@@ -323,7 +335,11 @@ def train_step(
         count = int(valid.sum())
         if count == 0:
             continue
-        loss, correct = head.loss(hidden[valid], lab[valid])
+        teacher = None
+        if args.labels == "soft":  # the final state that predicts the token at i + j + 2
+            teacher = feats.final[:, j + 1 :][valid[:, : t - j - 1]]
+        with amp:
+            loss, correct = head.loss(hidden[valid], lab[valid], teacher)
         total = total + (args.step_decay**j) * loss
         stats[f"loss{j}"] = float(loss.detach()) * count
         stats[f"acc{j}"] = float(correct)
