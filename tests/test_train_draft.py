@@ -357,6 +357,22 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
     assert "*/model.safetensors" in setup["package-data"]["models.heads"]
 
 
+def test_shipped_answers_are_the_train_prompts_through_the_chat_template() -> None:
+    """The built-in model's distilled answers (the heads' training data) answer the shipped
+    train prompts in order, each prompt through the tokenizer's chat template."""
+    from transformers import AutoTokenizer
+
+    from models.builtin import builtin_model_path
+
+    rows = D.read_responses(D.shipped_prompts_path("train").parent / "builtin_answers.jsonl.gz")
+    assert [r["prompt"] for r in rows] == D.load_prompts(name="train")
+    tok = AutoTokenizer.from_pretrained(builtin_model_path())
+    for r in rows[::400]:
+        assert r["prompt_ids"] == D.chat_prompt_ids(tok, r["prompt"])
+        assert 2 <= len(r["response_ids"]) <= 320
+        assert r["finish_reason"] in ("stop", "length")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
     """Real loader, meta tensors: every tensor present with the right shape, no compute."""
