@@ -176,6 +176,11 @@ def _make_head(args: TrainArgs, target: Any, target_path: str, seqs: list, saved
     return Eagle3Head(target, vocab_ids, capture, seed=args.seed, init=args.init)
 
 
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU has native bf16 matmul instructions (AVX-512 BF16 or AMX)."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def train_draft(args: TrainArgs) -> TrainResult:
     """Train (or resume training) a draft head; the head is written to ``args.out``."""
     from transformers import AutoTokenizer
@@ -202,6 +207,11 @@ def train_draft(args: TrainArgs) -> TrainResult:
     elif state_path.is_file():
         raise ValueError(f"{out} holds a training run; pass --resume or another --out")
 
+    if args.bf16 and torch.device(args.device).type == "cpu" and not _cpu_has_bf16():
+        logger.warning(
+            "--bf16 on a CPU without AVX-512 BF16 or AMX: bf16 matmuls are emulated there and "
+            "training runs many times slower than fp32 (drop --bf16)"
+        )
     target = _load_target(target_path, args.device)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     # Rotary tables cover max_position_embeddings (+ a margin for the draft steps).
