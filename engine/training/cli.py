@@ -61,7 +61,8 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     t.add_argument(
         "--bf16",
         action="store_true",
-        help="train under bf16 autocast (fp32 weights): faster on GPUs and CPUs with AVX-512 BF16 or AMX, many times slower on AVX2-only CPUs",
+        help="train under bf16 autocast (fp32 weights): faster on GPUs and CPUs with AVX-512 "
+        "BF16 or AMX, many times slower on AVX2-only CPUs",
     )
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="Eagle3 only")
     t.add_argument("--capture-layers", type=_layers, default=None, help="Eagle3: e.g. 1,14,26")
