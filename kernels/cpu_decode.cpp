@@ -5,8 +5,9 @@
 // runs. This file runs every layer of the stack for M <= a few dozen rows without returning to
 // Python: RMSNorm (+ residual), fused QKV, rotary, the paged KV write, attention over the paged
 // cache, O projection, gate/up, SiLU-and-mul and down, with matrix products that read each
-// weight once for all M rows from a copy packed for them (``pack``; AVX-512 BF16 for bfloat16,
-// AVX-512 FMA for float32) and elementwise steps 16 lanes at a time. Values are rounded to the
+// weight once for all M rows from a copy packed for them (``pack``) and elementwise steps 16
+// lanes at a time, on AVX-512 (vdpbf16ps for bfloat16) or AVX2 + FMA machines (bfloat16
+// widened to fp32 in registers; the same packed layout). Values are rounded to the
 // model dtype at the same points as the eager modules in models/llama.py and models/layers.py
 // (their reference). Built at first use by
 // kernels/cpu_decode.py.
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -53,16 +55,49 @@ inline float rnd(float v) {  // v rounded through T
   return ld(&t);
 }
 
-// The same, 16 lanes at a time: n <= 16 values (the rest masked off), as fp32.
-inline __mmask16 first(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+// ---------------------------------------------------------------- 16-lane vectors
+//
+// V holds 16 fp32 lanes: one __m512 where the build machine has AVX-512 (F, BW, BF16), two
+// __m256 where it has AVX2 and FMA (-march=native decides). Mask: the first n lanes of a
+// load or store (the rest load as zero and are not written).
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+constexpr const char* ISA = "avx512_bf16";
+struct V {
+  __m512 v;
+};
+using Mask = __mmask16;
+inline Mask first(int64_t n) {
+  return n >= 16 ? static_cast<Mask>(0xFFFF) : static_cast<Mask>((1u << n) - 1);
 }
-inline __m512 vld(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 vld(const uint16_t* p, __mmask16 k) {
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vset(float x) { return {_mm512_set1_ps(x)}; }
+inline V vld(const float* p, Mask k) { return {_mm512_maskz_loadu_ps(k, p)}; }
+inline V vld(const uint16_t* p, Mask k) {
   const __m256i h = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(k, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
-// fp32 -> bfloat16 bits in the low half of each lane, exactly as st() rounds.
+inline V vld_or(const float* p, Mask k, float fill) {  // lanes past k hold fill
+  return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), k, p)};
+}
+inline V vldu(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstu(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V vkeep(V a, Mask k) { return {_mm512_maskz_mov_ps(k, a.v)}; }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline V vfmadd(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V vfmsub(V a, V b, V c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
+inline V vfnmadd(V a, V b, V c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+inline float vhsum(V a) { return _mm512_reduce_add_ps(a.v); }
+inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
+inline V vround(V a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline V vscale2(V p, V n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n
+// The bfloat16 bits (round to nearest even, NaN kept) of each lane, in the low 16 bits.
 inline __m512i bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -71,35 +106,190 @@ inline __m512i bf16_bits(__m512 v) {
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
                                  _mm512_set1_epi32(0x7FC0));
 }
-inline void vst(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-inline void vst(uint16_t* p, __m512 v, __mmask16 k) {
-  _mm512_mask_storeu_epi16(p, k, _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits(v))));
+inline void vst(float* p, V a, Mask k) { _mm512_mask_storeu_ps(p, k, a.v); }
+inline void vst(uint16_t* p, V a, Mask k) {
+  _mm512_mask_storeu_epi16(p, k, _mm512_castsi256_si512(_mm512_cvtepi32_epi16(bf16_bits(a.v))));
 }
+inline V vbf16(V a) {  // a rounded through bfloat16
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a.v), 16))};
+}
+// One K pair of 16 packed bfloat16 outputs (vdpbf16ps operands) and a row's activation pair.
+using WPair = __m512bh;
+using XPair = __m512bh;
+inline WPair wpair(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline XPair xpair(uint32_t bits) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits)); }
+inline V dot2(V acc, WPair w, XPair x) { return {_mm512_dpbf16_ps(acc.v, w, x)}; }
+constexpr int NB = 4;     // blocks of 16 outputs per tile
+constexpr int R_MAX = 6;  // rows per tile: 6 x 4 accumulators + 4 weights fit 32 registers
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* ISA = "avx2";
+struct V {
+  __m256 lo, hi;
+};
+using Mask = int64_t;  // lanes: the first n
+inline Mask first(int64_t n) { return n; }
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vldu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstu(float* p, V a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline __m256 widen(__m128i h) {  // 8 bfloat16 -> 8 fp32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V vldu(const uint16_t* p) {
+  return {widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+// Fewer than 16 lanes go through a 16-lane buffer (no masked 16-bit loads or stores in AVX2).
 template <typename T>
-inline __m512 vrnd(__m512 v) {
+inline V vld_or(const T* p, Mask n, T fill) {
+  if (n >= 16) return vldu(p);
+  T buf[16];
+  std::fill_n(buf, 16, fill);
+  std::copy_n(p, n, buf);
+  return vldu(buf);
+}
+inline V vld(const float* p, Mask n) { return vld_or(p, n, 0.f); }
+inline V vld(const uint16_t* p, Mask n) { return vld_or(p, n, uint16_t{0}); }
+inline V vkeep(V a, Mask n) {
+  if (n >= 16) return a;
+  const __m256 f = _mm256_set1_ps(static_cast<float>(n));
+  const __m256 lo = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), f, _CMP_LT_OQ);
+  const __m256 hi = _mm256_cmp_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), f, _CMP_LT_OQ);
+  return {_mm256_and_ps(a.lo, lo), _mm256_and_ps(a.hi, hi)};
+}
+#define TANDEM_V2(name, op)                                                       \
+  inline V name(V a, V b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+TANDEM_V2(vadd, _mm256_add_ps)
+TANDEM_V2(vsub, _mm256_sub_ps)
+TANDEM_V2(vmul, _mm256_mul_ps)
+TANDEM_V2(vdiv, _mm256_div_ps)
+TANDEM_V2(vmax, _mm256_max_ps)
+#undef TANDEM_V2
+inline V vfmadd(V a, V b, V c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V vfmsub(V a, V b, V c) {
+  return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
+}
+inline V vfnmadd(V a, V b, V c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline float vhsum(V a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float vhmax(V a) {
+  const __m256 s = _mm256_max_ps(a.lo, a.hi);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline V vround(V a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+// p * 2^n for integral n: two factors 2^(n/2) built in the exponent field (n clamped to
+// +-252, past which the product is inf or 0 anyway), as scalef does in one step.
+inline __m256 pow2(__m256i e) {  // e in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+inline __m256 scale2(__m256 p, __m256 n) {
+  const __m256 c = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-252.f)), _mm256_set1_ps(252.f));
+  const __m256i a = _mm256_cvttps_epi32(_mm256_mul_ps(c, _mm256_set1_ps(0.5f)));
+  const __m256i b = _mm256_sub_epi32(_mm256_cvtps_epi32(c), a);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(a)), pow2(b));
+}
+inline V vscale2(V p, V n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+inline __m256i bf16_bits(__m256 v) {  // as the AVX-512 version, 8 lanes
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline void vst(float* p, V a, Mask n) {
+  if (n >= 16) return vstu(p, a);
+  float buf[16];
+  vstu(buf, a);
+  std::copy_n(buf, n, p);
+}
+inline void vst(uint16_t* p, V a, Mask n) {
+  // packus interleaves 128-bit halves: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> reorder.
+  const __m256i w = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(bf16_bits(a.lo), bf16_bits(a.hi)), 0xD8);
+  if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+  uint16_t buf[16];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), w);
+  std::copy_n(buf, n, p);
+}
+inline __m256 bf16_value(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline V vbf16(V a) { return {bf16_value(a.lo), bf16_value(a.hi)}; }
+// One K pair of 16 packed bfloat16 outputs, widened: even and odd K of outputs 0-7 and 8-15;
+// a row's activation pair, widened and broadcast.
+struct WPair {
+  __m256 even_lo, odd_lo, even_hi, odd_hi;
+};
+struct XPair {
+  __m256 even, odd;
+};
+inline WPair wpair(const uint16_t* p) {
+  const __m256i odd_bits = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(lo, odd_bits)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(hi, odd_bits))};
+}
+inline XPair xpair(uint32_t bits) {
+  float even, odd;
+  const uint32_t e = bits << 16, o = bits & 0xFFFF0000u;
+  std::memcpy(&even, &e, 4);
+  std::memcpy(&odd, &o, 4);
+  return {_mm256_set1_ps(even), _mm256_set1_ps(odd)};
+}
+inline V dot2(V acc, const WPair& w, const XPair& x) {
+  return {_mm256_fmadd_ps(w.odd_lo, x.odd, _mm256_fmadd_ps(w.even_lo, x.even, acc.lo)),
+          _mm256_fmadd_ps(w.odd_hi, x.odd, _mm256_fmadd_ps(w.even_hi, x.even, acc.hi))};
+}
+constexpr int NB = 2;     // blocks of 16 outputs per tile
+constexpr int R_MAX = 4;  // rows per tile (16 ymm registers: a few accumulators spill)
+
+#else
+#error "the CPU decode fast path needs AVX-512 (F, BW, BF16) or AVX2 with FMA"
+#endif
+
+template <typename T>
+inline V vrnd(V v) {  // v rounded through T
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+    return vbf16(v);
   }
 }
 // exp(x): x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for exp(r), scaled by 2^n
-// (scalef gives inf / 0 past the fp32 range). Within 0.93 ulp of the exact value on
-// [-87, 88] (4M points checked).
-inline __m512 vexp(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+// (inf / 0 past the fp32 range). Within 0.93 ulp of the exact value on [-87, 88] (4M points
+// checked, AVX-512).
+inline V vexp(V x) {
+  const V n = vround(vmul(x, vset(1.44269504088896341f)));
+  V r = vfnmadd(n, vset(0.693359375f), x);
+  r = vfnmadd(n, vset(-2.12194440e-4f), r);
+  V p = vset(1.f / 5040);
+  p = vfmadd(p, r, vset(1.f / 720));
+  p = vfmadd(p, r, vset(1.f / 120));
+  p = vfmadd(p, r, vset(1.f / 24));
+  p = vfmadd(p, r, vset(1.f / 6));
+  p = vfmadd(p, r, vset(0.5f));
+  p = vfmadd(p, r, vset(1.f));
+  p = vfmadd(p, r, vset(1.f));
+  return vscale2(p, n);
 }
 
 // ---------------------------------------------------------------- matrix-vector products
@@ -111,8 +301,6 @@ inline __m512 vexp(__m512 x) {
 // (pair) per row: no horizontal sums, each weight vector used by R rows. Output feature o of
 // every row sums K in the same order whatever the tile (batch-invariant results).
 constexpr int64_t LANES = 16;
-constexpr int NB = 4;     // blocks of 16 outputs per tile
-constexpr int R_MAX = 6;  // rows per tile: 6 x 4 accumulators + 4 weights fit 32 registers
 
 struct Mat {
   const void* p;
@@ -121,22 +309,8 @@ struct Mat {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <int R, int W>
-inline void store_tile(__m512 (&acc)[R][W], float* y, int64_t m, int64_t o0, int64_t O) {
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < W; ++j) {
-      const int64_t o = o0 + j * LANES;
-      if (o + LANES <= O) {
-        _mm512_storeu_ps(y + (m + r) * O + o, acc[r][j]);
-      } else if (o < O) {
-        _mm512_mask_storeu_ps(y + (m + r) * O + o, static_cast<__mmask16>((1u << (O - o)) - 1),
-                              acc[r][j]);
-      }
-    }
-  }
-}
-template <int R, int W>
-inline void store_tile(__m512 (&acc)[R][W], uint16_t* y, int64_t m, int64_t o0, int64_t O) {
+template <typename T, int R, int W>
+inline void store_tile(V (&acc)[R][W], T* y, int64_t m, int64_t o0, int64_t O) {
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < W; ++j) {
       const int64_t o = o0 + j * LANES;
@@ -162,19 +336,17 @@ inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_
                  const Prefetch& pf) {
   const int64_t K = w.K, kp_stride = ceil_div(K, 2);
   const uint16_t* pb = static_cast<const uint16_t*>(w.p) + b * kp_stride * 2 * LANES;
-  __m512 acc[R][W];
+  V acc[R][W];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
   // One K pair: pair(r) is row r's two activations as one 32-bit word.
   auto step = [&](int64_t kp, auto pair) {
     pf.at(kp);
-    __m512bh wv[W];
-    for (int j = 0; j < W; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(pb + (j * kp_stride + kp) * 2 * LANES);
-    }
+    WPair wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = wpair(pb + (j * kp_stride + kp) * 2 * LANES);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair(r)));
-      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xb);
+      const XPair xb = xpair(pair(r));
+      for (int j = 0; j < W; ++j) acc[r][j] = dot2(acc[r][j], wv[j], xb);
     }
   };
   for (int64_t kp = 0; kp < K / 2; ++kp) {
@@ -187,26 +359,26 @@ inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_
   if (K % 2) {  // the last activation pairs with the packed zero
     step(K / 2, [&](int r) { return static_cast<uint32_t>(x[(m + r) * K + K - 1]); });
   }
-  store_tile<R, W>(acc, y, m, b * LANES, w.O);
+  store_tile<uint16_t, R, W>(acc, y, m, b * LANES, w.O);
 }
 template <int R, int W>
 inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b,
                  const Prefetch& pf) {
   const int64_t K = w.K;
   const float* pb = static_cast<const float*>(w.p) + b * K * LANES;
-  __m512 acc[R][W];
+  V acc[R][W];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     pf.at(k);
-    __m512 wv[W];
-    for (int j = 0; j < W; ++j) wv[j] = _mm512_loadu_ps(pb + (j * K + k) * LANES);
+    V wv[W];
+    for (int j = 0; j < W; ++j) wv[j] = vldu(pb + (j * K + k) * LANES);
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[(m + r) * K + k]);
-      for (int j = 0; j < W; ++j) acc[r][j] = _mm512_fmadd_ps(wv[j], xb, acc[r][j]);
+      const V xb = vset(x[(m + r) * K + k]);
+      for (int j = 0; j < W; ++j) acc[r][j] = vfmadd(wv[j], xb, acc[r][j]);
     }
   }
-  store_tile<R, W>(acc, y, m, b * LANES, w.O);
+  store_tile<float, R, W>(acc, y, m, b * LANES, w.O);
 }
 
 // All M rows for blocks b .. b+W. `next` (may be null): `next_bytes` of weights the caller
@@ -267,17 +439,17 @@ template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t M, int64_t H, float eps) {
   for (int64_t m = 0; m < M; ++m) {
     const T* xr = x + m * H;
-    __m512 ss = _mm512_setzero_ps();
+    V ss = vzero();
     for (int64_t i = 0; i < H; i += LANES) {
-      const __m512 v = vld(xr + i, first(H - i));
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const V v = vld(xr + i, first(H - i));
+      ss = vfmadd(v, v, ss);
     }
-    const __m512 inv =
-        _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(H) + eps));
+    const V inv =
+        vset(1.f / std::sqrt(vhsum(ss) / static_cast<float>(H) + eps));
     for (int64_t i = 0; i < H; i += LANES) {
-      const __mmask16 k = first(H - i);
-      const __m512 n = vrnd<T>(_mm512_mul_ps(vld(xr + i, k), inv));
-      vst(out + m * H + i, _mm512_mul_ps(vld(w + i, k), n), k);
+      const Mask k = first(H - i);
+      const V n = vrnd<T>(vmul(vld(xr + i, k), inv));
+      vst(out + m * H + i, vmul(vld(w + i, k), n), k);
     }
   }
 }
@@ -286,8 +458,8 @@ void rms_norm(const T* x, const T* w, T* out, int64_t M, int64_t H, float eps) {
 template <typename T>
 void add_into(const T* h, T* residual, int64_t n) {
   for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 k = first(n - i);
-    vst(residual + i, _mm512_add_ps(vld(h + i, k), vld(residual + i, k)), k);
+    const Mask k = first(n - i);
+    vst(residual + i, vadd(vld(h + i, k), vld(residual + i, k)), k);
   }
 }
 
@@ -301,11 +473,11 @@ void rotary(T* qkv, const int64_t* positions, const float* cos_sin, int64_t M, i
     for (int64_t h = 0; h < heads; ++h) {
       T* x = qkv + m * row_stride + h * D;
       for (int64_t i = 0; i < half; i += LANES) {
-        const __mmask16 k = first(half - i);
-        const __m512 x1 = vld(x + i, k), x2 = vld(x + half + i, k);
-        const __m512 c = vld(cs + i, k), s = vld(cs + half + i, k);
-        vst(x + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), k);
-        vst(x + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), k);
+        const Mask k = first(half - i);
+        const V x1 = vld(x + i, k), x2 = vld(x + half + i, k);
+        const V c = vld(cs + i, k), s = vld(cs + half + i, k);
+        vst(x + i, vfmsub(x1, c, vmul(x2, s)), k);
+        vst(x + half + i, vfmadd(x2, c, vmul(x1, s)), k);
       }
     }
   }
@@ -322,11 +494,11 @@ void silu_mul(const T* gu, T* out, int64_t M, int64_t I) {
       const int64_t m = c / chunks, i0 = (c % chunks) * CHUNK, i1 = std::min(I, i0 + CHUNK);
       const T* g = gu + m * 2 * I;
       for (int64_t i = i0; i < i1; i += LANES) {
-        const __mmask16 k = first(i1 - i);
-        const __m512 a = vld(g + i, k);
-        const __m512 e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        const __m512 sl = vrnd<T>(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        vst(out + m * I + i, _mm512_mul_ps(sl, vld(g + I + i, k)), k);
+        const Mask k = first(i1 - i);
+        const V a = vld(g + i, k);
+        const V e = vexp(vsub(vzero(), a));
+        const V sl = vrnd<T>(vdiv(a, vadd(vset(1.f), e)));
+        vst(out + m * I + i, vmul(sl, vld(g + I + i, k)), k);
       }
     }
   });
@@ -419,7 +591,7 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
       for (int64_t g = 0; g < hpt; ++g) {
         const T* qr = qkv + m * row_stride + (h0 + g) * D;
         for (int64_t c = 0; c < chunks; ++c) {  // zero past D
-          _mm512_storeu_ps(&q[g * width + c * LANES], vld(qr + c * LANES, first(D - c * LANES)));
+          vstu(&q[g * width + c * LANES], vld(qr + c * LANES, first(D - c * LANES)));
         }
       }
       // Key j's kv heads kv0 .. kv1 in `cache`, and the same a few keys ahead brought in.
@@ -435,48 +607,48 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
       scores.resize(hpt * L);
       for (int64_t j = 0; j < L; ++j) {
         const T* k = key(k_cache, j);
-        __m512 dot[MAX_HEADS];
-        for (int64_t g = 0; g < hpt; ++g) dot[g] = _mm512_setzero_ps();
+        V dot[MAX_HEADS];
+        for (int64_t g = 0; g < hpt; ++g) dot[g] = vzero();
         for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
           for (int64_t c = 0; c < chunks; ++c) {
-            const __m512 kc = vld(k + kv * D + c * LANES, first(D - c * LANES));
+            const V kc = vld(k + kv * D + c * LANES, first(D - c * LANES));
             for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
-              dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(&q[g * width + c * LANES]), kc, dot[g]);
+              dot[g] = vfmadd(vldu(&q[g * width + c * LANES]), kc, dot[g]);
             }
           }
         }
-        for (int64_t g = 0; g < hpt; ++g) scores[g * L + j] = _mm512_reduce_add_ps(dot[g]) * scale;
+        for (int64_t g = 0; g < hpt; ++g) scores[g * L + j] = vhsum(dot[g]) * scale;
       }
       float sum[MAX_HEADS], top_of[MAX_HEADS];
       for (int64_t g = 0; g < hpt; ++g) {  // probabilities, unnormalised, rounded to T
         float* sg = scores.data() + g * L;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
+        V mx = vset(-INFINITY);
         for (int64_t j = 0; j < L; j += LANES) {
-          const __mmask16 k = first(L - j);
-          mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, sg + j));
+          const Mask k = first(L - j);
+          mx = vmax(mx, vld_or(sg + j, k, -INFINITY));
         }
-        top_of[g] = _mm512_reduce_max_ps(mx);
-        const __m512 top = _mm512_set1_ps(top_of[g]);
-        __m512 total = _mm512_setzero_ps();
+        top_of[g] = vhmax(mx);
+        const V top = vset(top_of[g]);
+        V total = vzero();
         for (int64_t j = 0; j < L; j += LANES) {
-          const __mmask16 k = first(L - j);
-          const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + j), top);
-          const __m512 e = _mm512_maskz_mov_ps(k, vexp(x));
-          total = _mm512_add_ps(total, e);
-          _mm512_mask_storeu_ps(sg + j, k, vrnd<T>(e));
+          const Mask k = first(L - j);
+          const V x = vsub(vld(sg + j, k), top);
+          const V e = vkeep(vexp(x), k);
+          total = vadd(total, e);
+          vst(sg + j, vrnd<T>(e), k);
         }
-        sum[g] = _mm512_reduce_add_ps(total);
+        sum[g] = vhsum(total);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < L; ++j) {
         const T* v = key(v_cache, j);
         for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
           for (int64_t c = 0; c < chunks; ++c) {
-            const __m512 vc = vld(v + kv * D + c * LANES, first(D - c * LANES));
+            const V vc = vld(v + kv * D + c * LANES, first(D - c * LANES));
             for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
               float* a = &acc[g * width + c * LANES];
-              const __m512 pe = _mm512_set1_ps(scores[g * L + j]);
-              _mm512_storeu_ps(a, _mm512_fmadd_ps(pe, vc, _mm512_loadu_ps(a)));
+              const V pe = vset(scores[g * L + j]);
+              vstu(a, vfmadd(pe, vc, vldu(a)));
             }
           }
         }
@@ -489,11 +661,11 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
           std::copy_n(&acc[g * width], width, &part_acc[i * width]);
           continue;
         }
-        const __m512 total = _mm512_set1_ps(sum[g]);
+        const V total = vset(sum[g]);
         T* o = out + (m * H + h0 + g) * D;
         for (int64_t c = 0; c < chunks; ++c) {
-          const __m512 a = _mm512_loadu_ps(&acc[g * width + c * LANES]);
-          vst(o + c * LANES, _mm512_div_ps(a, total), first(D - c * LANES));
+          const V a = vldu(&acc[g * width + c * LANES]);
+          vst(o + c * LANES, vdiv(a, total), first(D - c * LANES));
         }
       }
     }
@@ -786,4 +958,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
   m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
+  m.def("isa", []() { return std::string(ISA); }, "the instruction set it was built for");
 }

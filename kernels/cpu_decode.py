@@ -5,8 +5,9 @@ the paged cache, MLP) for at most ``MAX_ROWS`` rows without returning to Python;
 modules of ``models/llama.py`` are its reference and serve every other step. It is built with
 the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
-afterwards. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU without AVX-512 BF16,
-or a failed build, falls back to the eager path with a warning.
+afterwards. It is built for AVX-512 (F, BW, BF16) where the CPU has it, else for AVX2 + FMA.
+``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with neither, or a failed build, falls back to
+the eager path with a warning.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 ENV_VAR = "TANDEM_CPU_FAST_DECODE"
 MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 vs 197 (fp32)
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+# The instruction sets it builds for, best first, with the /proc/cpuinfo flags each needs.
+ISA_FLAGS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx2": ("avx2", "fma")}
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -49,13 +51,19 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def isa() -> str | None:
+    """The instruction set the extension builds for on this CPU (None: neither)."""
+    flags = cpu_flags()
+    return next((name for name, need in ISA_FLAGS.items() if flags.issuperset(need)), None)
+
+
 def unavailable_reason() -> str | None:
     """Why the fast path cannot run on this machine (None: it can, once built)."""
     if not enabled_by_env():
         return f"{ENV_VAR}=0"
-    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    if isa() is None:
+        wanted = " or ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
+        return f"the CPU has neither {wanted}"
     return _error
 
 
@@ -68,13 +76,17 @@ def load_extension() -> Any | None:
         reason = unavailable_reason()
         if reason is not None:
             return None
-        # The source's digest names the module: an edited source never loads a stale build.
-        digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()
+        # The source, torch and instruction set name the module: an edited source, or a cache
+        # shared with a machine of another kind, never loads a stale build.
+        key = SOURCE.read_bytes() + f"{torch.__version__} {isa()}".encode()
+        digest = hashlib.sha256(key).hexdigest()
         name = f"tandem_cpu_decode_{digest[:16]}"
         try:
             from torch.utils.cpp_extension import load
 
-            logger.info("loading the CPU decode fast path (the first start builds it: ~1 min)")
+            logger.info(
+                "loading the CPU decode fast path for %s (the first start builds it: ~1 min)", isa()
+            )
             _ext = load(
                 name=name,
                 sources=[str(SOURCE)],
