@@ -14,7 +14,7 @@ from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
 from kernels.cpu_decode import MAX_ROWS
 from models.eagle3 import enable_cpu_fast_draft
-from models.layers import pack_cpu_linears, use_cpu_matvec_lm_heads
+from models.layers import pack_cpu_linears, use_cpu_matvec_linears, use_cpu_matvec_lm_heads
 from models.llama import enable_cpu_fast_path
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
@@ -84,6 +84,7 @@ class Worker:
                 if spec is not None:
                     use_cpu_matvec_lm_heads(spec.draft)
                     enable_cpu_fast_draft(spec.draft)
+                    use_cpu_matvec_linears(spec.draft)  # what the draft runs eagerly
             else:
                 logger.info("CPU decode fast path off: %s", reason)
             # bf16 weights the fast path does not serve: oneDNN's faster layout (no-op otherwise).

@@ -276,6 +276,26 @@ def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
     return n
 
 
+def use_cpu_matvec_linears(model: nn.Module) -> int:
+    """Route every bias-free CPU linear of ``model`` that no fast-path layer serves yet (a
+    draft head's ``fc`` / ``eh_proj``, the layers of an eager MTP block) through
+    ``kernels.cpu_decode.linear`` as ``use_cpu_matvec_lm_heads`` does for LM heads. Returns how
+    many were switched."""
+    n = 0
+    for m in model.modules():
+        if (
+            isinstance(m, LinearBase)
+            and m.fast_weight is None
+            and m.bias is None
+            and m.weight.device.type == "cpu"
+            and m.weight.dtype in cpu_decode.DTYPES
+            and m.weight.dim() == 2
+        ):
+            m.fast_weight = cpu_decode.pack(m.weight)
+            n += 1
+    return n
+
+
 def pack_cpu_linears(model: nn.Module) -> int:
     """Give every bfloat16 linear and LM head of ``model`` on CPU (but those the fast path's
     packed copy already serves: ``fast_weight``) a copy of its weight in oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoints import build_eagle3_draft, build_llama, hf_greedy
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, hf_greedy
 from engine import LLM, SamplingParams
 from kernels import cpu_decode
 from models.attention import AttentionMetadata
+from models.layers import LinearBase
 from models.llama import CpuStackFastPath, LlamaModel, enable_cpu_fast_path
 
 pytestmark = pytest.mark.skipif(
@@ -164,15 +165,29 @@ def test_speculative_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype:
         assert r["kv"] <= tol * 4, r
 
 
-def test_greedy_speculation_is_exact_with_the_fast_path(tiny: Path, tmp_path: Path) -> None:
-    draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
-    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_greedy_speculation_is_exact_with_the_fast_path(
+    tiny: Path, tmp_path: Path, method: str
+) -> None:
+    """Greedy output with speculation equals the plain one; every bias-free linear the draft
+    runs eagerly (Eagle3's fc, the MTP block's projections) reads a packed copy."""
+    target = tiny
+    if method == "eagle3":
+        draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    else:
+        target = build_llama(tmp_path / "mtp", **TINY)
+        add_mtp_layers(target)
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
+    with LLM(str(target), dtype="float32", max_num_seqs=4) as llm:
         assert inner_model(llm).fast_path is not None
         plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    with LLM(str(tiny), dtype="float32", max_num_seqs=4, speculative_config=spec) as llm:
+    with LLM(str(target), dtype="float32", max_num_seqs=4, speculative_config=spec) as llm:
         assert inner_model(llm).fast_path is not None
+        draft_module = llm.engine.executor.worker.runner.spec.draft
+        linears = [m for m in draft_module.modules() if isinstance(m, LinearBase)]
+        assert linears and all(m.fast_weight is not None for m in linears)
         specd = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert specd == plain
 
