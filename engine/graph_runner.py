@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -176,8 +177,15 @@ class GraphRunner:
         qsl = buf["query_start_loc"][: b + 1]
         plan = None
         if not self.use_cuda:  # the CPU attention path reads precomputed indices
-            plan = build_attention_plan(
-                tables, seq_lens, qsl, self.block_size, self.k + 1, max_seq_len, num_tokens=n
+            plan = partial(
+                build_attention_plan,
+                tables,
+                seq_lens,
+                qsl,
+                self.block_size,
+                self.k + 1,
+                max_seq_len,
+                num_tokens=n,
             )
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:n],

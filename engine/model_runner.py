@@ -8,6 +8,7 @@ per-request random generators, and it receives plain, picklable step description
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -276,7 +277,8 @@ class ModelRunner:
         slot_mapping = t(slots, torch.int64)
         plan = None
         if dev.type == "cpu":
-            plan = build_attention_plan(
+            plan = partial(
+                build_attention_plan,
                 block_tables,
                 seq_lens_t,
                 qsl_t,

@@ -26,11 +26,20 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
-    plan: Any = None  # kernel-side index tensors shared by every layer of the step
+    # Kernel-side index tensors shared by every layer of the step, or a zero-argument builder
+    # of them: built at first use (``attention_plan``), so steps that never reach the paged
+    # attention kernels (the CPU fast path) never build one.
+    plan: Any = None
     # Attention DP: every rank's row count this step (the MLP all-gathers by it), and every
     # rank's picked-row count (one per sampled request) for row-picked draft steps.
     all_rank_num_tokens: list[int] | None = None
     all_rank_num_picked: list[int] | None = None
+
+    def attention_plan(self) -> Any:
+        """The step's plan (None: the kernels derive their indices themselves)."""
+        if callable(self.plan):
+            self.plan = self.plan()
+        return self.plan
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,9 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not bound to this attention layer")
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=meta.plan)
+        write_kv_cache(
+            k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=meta.attention_plan()
+        )
         out = paged_attention(
             q,
             self.k_cache,
@@ -83,6 +94,6 @@ class PagedAttention(nn.Module):
             self.scale,
             meta.max_query_len,
             meta.max_seq_len,
-            plan=meta.plan,
+            plan=meta.attention_plan(),
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

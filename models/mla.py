@@ -98,7 +98,7 @@ class LatentPagedAttention(nn.Module):
             self.scale,
             meta.max_query_len,
             meta.max_seq_len,
-            plan=meta.plan,
+            plan=meta.attention_plan(),
         )
         return out[..., : self.kv_lora_rank]  # the value is the latent part of the row
 

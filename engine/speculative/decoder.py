@@ -8,6 +8,7 @@ runner's one host sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -345,8 +346,15 @@ class SpecDecoder:
         qsl = torch.arange(b + 1, dtype=torch.int32, device=pos.device)
         plan = None
         if pos.device.type == "cpu":
-            plan = build_attention_plan(
-                layout.block_tables, seq_lens, qsl, bs, 1, layout.max_seq_len, num_tokens=b
+            plan = partial(
+                build_attention_plan,
+                layout.block_tables,
+                seq_lens,
+                qsl,
+                bs,
+                1,
+                layout.max_seq_len,
+                num_tokens=b,
             )
         return AttentionMetadata(
             slot_mapping=slots,
