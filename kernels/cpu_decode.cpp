@@ -381,6 +381,16 @@ inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b,
   store_tile<float, R, W>(acc, y, m, b * LANES, w.O);
 }
 
+// One tile of r < R_MAX rows (R counts down to the one that matches).
+template <typename T, int W, int R = R_MAX - 1>
+inline void rest_tile(int64_t r, const T* x, const Mat& w, T* y, int64_t m, int64_t b,
+                      const Prefetch& pf) {
+  if constexpr (R >= 1) {
+    if (r == R) return tile<R, W>(x, w, y, m, b, pf);
+    rest_tile<T, W, R - 1>(r, x, w, y, m, b, pf);
+  }
+}
+
 // All M rows for blocks b .. b+W. `next` (may be null): `next_bytes` of weights the caller
 // reads next, prefetched into L2 by the row tiles after the first (by the only one if M is
 // small): the first tile streams this group from memory, the later ones compute from cache
@@ -389,7 +399,7 @@ template <typename T, int W>
 inline void rows(const T* x, const Mat& w, T* y, int64_t M, int64_t b, const char* next,
                  int64_t next_bytes) {
   const int64_t ksteps = std::is_same_v<T, float> ? w.K : ceil_div(w.K, 2);
-  const int64_t tiles = M / R_MAX + (M % R_MAX) / 4 + (M % R_MAX % 4) / 2 + M % 2;
+  const int64_t tiles = ceil_div(M, R_MAX);
   const int64_t with_pf = tiles > 1 ? tiles - 1 : 1;
   const int64_t per_tile = next == nullptr ? 0 : ceil_div(next_bytes, with_pf);
   const int64_t per_step = ceil_div(ceil_div(per_tile, ksteps), 64) * 64;
@@ -405,9 +415,7 @@ inline void rows(const T* x, const Mat& w, T* y, int64_t M, int64_t b, const cha
   };
   int64_t m = 0;
   for (; m + R_MAX <= M; m += R_MAX) tile<R_MAX, W>(x, w, y, m, b, pf());
-  for (; m + 4 <= M; m += 4) tile<4, W>(x, w, y, m, b, pf());
-  for (; m + 2 <= M; m += 2) tile<2, W>(x, w, y, m, b, pf());
-  for (; m < M; ++m) tile<1, W>(x, w, y, m, b, pf());
+  if (m < M) rest_tile<T, W>(M - m, x, w, y, m, b, pf());  // the rest: one tile, one weight read
 }
 
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed.
