@@ -331,3 +331,28 @@ def test_linear_matches_f_linear_and_is_batch_invariant(dtype: torch.dtype) -> N
     for x, o in [(torch.zeros(2, 8, dtype=dtype), 4), (torch.zeros(2, 9, dtype=dtype), 40)]:
         with pytest.raises(RuntimeError, match="does not match its shape"):
             cpu_decode.linear(x, packed, o)
+
+
+def test_the_build_targets_the_best_instruction_set_the_cpu_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AVX-512 BF16 where present, else AVX2 + FMA, else no fast path (with a reason naming
+    both); the extension reports what it was built for."""
+    cases = [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, "avx512_bf16"),
+        ({"avx2", "fma", "avx512f", "avx512bw"}, "avx2"),  # AVX-512 without BF16
+        ({"avx2", "fma"}, "avx2"),
+        ({"avx2"}, None),
+        (set(), None),
+    ]
+    for flags, want in cases:
+        with monkeypatch.context() as m:
+            m.setattr(cpu_decode, "cpu_flags", lambda flags=flags: flags)
+            assert cpu_decode.isa() == want
+            reason = cpu_decode.unavailable_reason()
+            if want is None:
+                assert reason is not None and "avx512_bf16" in reason and "avx2" in reason
+            else:
+                assert reason is None
+    ext = cpu_decode.load_extension()
+    assert ext is not None and ext.isa() == cpu_decode.isa()
