@@ -8,6 +8,7 @@ slice, so a rank reads only the bytes it keeps.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -259,41 +260,31 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
-    """Route the logits of every unsharded CPU LM head in ``model`` through
-    ``kernels.cpu_decode.linear`` (a packed copy of the weight, read once for all rows; the
-    caller has loaded the extension). Returns how many heads were switched."""
+def _pack_for_cpu_matvec(modules: Iterable[nn.Module]) -> int:
+    """Give each of ``modules`` whose weight is a CPU matrix in a fast-path dtype a packed copy
+    (``fast_weight``), which its forward then reads through ``kernels.cpu_decode.linear`` (read
+    once for all rows; the caller has loaded the extension). Returns how many were packed."""
     n = 0
-    for m in model.modules():
-        if (
-            isinstance(m, ParallelLMHead)
-            and m.mapping.tp_size == 1
-            and m.weight.device.type == "cpu"
-            and m.weight.dtype in cpu_decode.DTYPES
-        ):
-            m.fast_weight = cpu_decode.pack(m.weight)
+    for m in modules:
+        w = m.weight
+        if w.device.type == "cpu" and w.dtype in cpu_decode.DTYPES and w.dim() == 2:
+            m.fast_weight = cpu_decode.pack(w)
             n += 1
     return n
+
+
+def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
+    """Route the logits of every unsharded CPU LM head in ``model`` through
+    ``kernels.cpu_decode.linear``. Returns how many heads were switched."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    return _pack_for_cpu_matvec(m for m in heads if m.mapping.tp_size == 1)
 
 
 def use_cpu_matvec_linears(model: nn.Module) -> int:
-    """Route every bias-free CPU linear of ``model`` that no fast-path layer serves yet (a
-    draft head's ``fc`` / ``eh_proj``, the layers of an eager MTP block) through
-    ``kernels.cpu_decode.linear`` as ``use_cpu_matvec_lm_heads`` does for LM heads. Returns how
-    many were switched."""
-    n = 0
-    for m in model.modules():
-        if (
-            isinstance(m, LinearBase)
-            and m.fast_weight is None
-            and m.bias is None
-            and m.weight.device.type == "cpu"
-            and m.weight.dtype in cpu_decode.DTYPES
-            and m.weight.dim() == 2
-        ):
-            m.fast_weight = cpu_decode.pack(m.weight)
-            n += 1
-    return n
+    """The same for every bias-free linear of ``model`` that no fast-path layer serves yet (a
+    draft head's ``fc`` / ``eh_proj``, the layers of an eager MTP block)."""
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    return _pack_for_cpu_matvec(m for m in linears if m.fast_weight is None and m.bias is None)
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
