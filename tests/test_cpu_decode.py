@@ -356,3 +356,22 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
                 assert reason is None
     ext = cpu_decode.load_extension()
     assert ext is not None and ext.isa() == cpu_decode.isa()
+
+
+def test_vector_exp_is_within_one_ulp_and_saturates() -> None:
+    """The kernels' exp (softmax, SiLU) on this machine's vector path: within 1 ulp of the
+    float64 value over fp32's range (every 2^-10 step of [-87, 88], odd lengths for the tails),
+    inf above it (and for inf), 0 or a denormal below it, NaN for NaN."""
+    ext = cpu_decode.load_extension()
+    assert ext is not None
+    x = torch.arange(-87 * 1024, 88 * 1024 + 7, dtype=torch.float64) / 1024
+    got = ext.exp_lanes(x.float())
+    exact = torch.exp(x.float().double())
+    ulp = (exact.float().nextafter(torch.tensor(float("inf"))) - exact.float()).double()
+    assert ((got.double() - exact).abs() / ulp).max().item() <= 1.0
+    inf = float("inf")
+    edges = torch.tensor([89.0, 100.0, 1e30, inf, -104.0, -200.0, -1e30, -inf, float("nan")])
+    out = ext.exp_lanes(edges)
+    assert torch.isinf(out[:4]).all() and (out[:4] > 0).all(), out
+    assert (out[4:8] >= 0).all() and (out[4:8] < 1e-44).all(), out
+    assert torch.isnan(out[8]), out
