@@ -357,6 +357,7 @@ class LinearBase(nn.Module):
             and x.dim() == 2
             and x.shape[0] > 0
             and x.dtype == self.weight.dtype
+            and cpu_decode.packed_rows_ok(x.dtype, x.shape[0])
         ):
             return cpu_decode.linear(x, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
@@ -548,6 +549,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             and hidden.dim() == 2
             and hidden.shape[0] > 0
             and hidden.dtype == self.weight.dtype
+            and cpu_decode.packed_rows_ok(hidden.dtype, hidden.shape[0])
         ):
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
