@@ -6,8 +6,8 @@
 // Python: RMSNorm (+ residual), fused QKV, rotary, the paged KV write, attention over the paged
 // cache, O projection, gate/up, SiLU-and-mul and down, with matrix products that read each
 // weight once for all M rows from a copy packed for them (``pack``) and elementwise steps 16
-// lanes at a time, on AVX-512 (vdpbf16ps for bfloat16) or AVX2 + FMA machines (bfloat16
-// widened to fp32 in registers; the same packed layout). Values are rounded to the
+// lanes at a time, on AVX-512 (vdpbf16ps for bfloat16 where the CPU has AVX-512 BF16) or AVX2
+// + FMA machines (elsewhere bfloat16 is widened to fp32 in registers; the same packed layout). Values are rounded to the
 // model dtype at the same points as the eager modules in models/llama.py and models/layers.py
 // (their reference). Built at first use by
 // kernels/cpu_decode.py.
@@ -54,15 +54,20 @@ inline float rnd(float v) {  // v rounded through T
   st(&t, v);
   return ld(&t);
 }
+// The two values of a bfloat16 pair held in one 32-bit word (the even one in the low half).
+inline void split_pair(uint32_t bits, float& even, float& odd) {
+  const uint32_t e = bits << 16, o = bits & 0xFFFF0000u;
+  std::memcpy(&even, &e, 4);
+  std::memcpy(&odd, &o, 4);
+}
 
 // ---------------------------------------------------------------- 16-lane vectors
 //
-// V holds 16 fp32 lanes: one __m512 where the build machine has AVX-512 (F, BW, BF16), two
-// __m256 where it has AVX2 and FMA (-march=native decides). Mask: the first n lanes of a
+// V holds 16 fp32 lanes: one __m512 where the build machine has AVX-512 (F, BW), two __m256
+// where it has AVX2 and FMA (-march=native decides). Mask: the first n lanes of a
 // load or store (the rest load as zero and are not written).
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-constexpr const char* ISA = "avx512_bf16";
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 struct V {
   __m512 v;
 };
@@ -114,6 +119,8 @@ inline void vst(uint16_t* p, V a, Mask k) {
 inline V vbf16(V a) {  // a rounded through bfloat16
   return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a.v), 16))};
 }
+#if defined(__AVX512BF16__)
+constexpr const char* ISA = "avx512_bf16";
 // One K pair of 16 packed bfloat16 outputs (vdpbf16ps operands) and a row's activation pair.
 using WPair = __m512bh;
 using XPair = __m512bh;
@@ -122,6 +129,33 @@ inline XPair xpair(uint32_t bits) { return (__m512bh)_mm512_set1_epi32(static_ca
 inline V dot2(V acc, WPair w, XPair x) { return {_mm512_dpbf16_ps(acc.v, w, x)}; }
 constexpr int NB = 4;     // blocks of 16 outputs per tile
 constexpr int R_MAX = 6;  // rows per tile: 6 x 4 accumulators + 4 weights fit 32 registers
+#else
+constexpr const char* ISA = "avx512";
+// Without vdpbf16ps: the pair's even and odd halves widened to fp32 (shift / mask), and the
+// row's activation pair widened and broadcast.
+struct WPair {
+  __m512 even, odd;
+};
+struct XPair {
+  __m512 even, odd;
+};
+inline WPair wpair(const uint16_t* p) {
+  const __m512i w = _mm512_loadu_si512(p);
+  const __m512i odd_bits = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(w, odd_bits))};
+}
+inline XPair xpair(uint32_t bits) {
+  float even, odd;
+  split_pair(bits, even, odd);
+  return {_mm512_set1_ps(even), _mm512_set1_ps(odd)};
+}
+inline V dot2(V acc, const WPair& w, const XPair& x) {
+  return {_mm512_fmadd_ps(w.odd, x.odd, _mm512_fmadd_ps(w.even, x.even, acc.v))};
+}
+constexpr int NB = 4;     // blocks of 16 outputs per tile
+constexpr int R_MAX = 4;  // rows per tile: 4 x 4 accumulators + 4 x 2 weights + 2 activations
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr const char* ISA = "avx2";
@@ -251,9 +285,7 @@ inline WPair wpair(const uint16_t* p) {
 }
 inline XPair xpair(uint32_t bits) {
   float even, odd;
-  const uint32_t e = bits << 16, o = bits & 0xFFFF0000u;
-  std::memcpy(&even, &e, 4);
-  std::memcpy(&odd, &o, 4);
+  split_pair(bits, even, odd);
   return {_mm256_set1_ps(even), _mm256_set1_ps(odd)};
 }
 inline V dot2(V acc, const WPair& w, const XPair& x) {
@@ -264,7 +296,7 @@ constexpr int NB = 2;     // blocks of 16 outputs per tile
 constexpr int R_MAX = 4;  // rows per tile (16 ymm registers: a few accumulators spill)
 
 #else
-#error "the CPU decode fast path needs AVX-512 (F, BW, BF16) or AVX2 with FMA"
+#error "the CPU decode fast path needs AVX-512 (F, BW) or AVX2 with FMA"
 #endif
 
 template <typename T>

@@ -5,8 +5,9 @@ the paged cache, MLP) for at most ``max_rows(dtype)`` rows without returning to 
 modules of ``models/llama.py`` are its reference and serve every other step. It is built with
 the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
-afterwards. It is built for AVX-512 (F, BW, BF16) where the CPU has it, else for AVX2 + FMA.
-``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with neither, or a failed build, falls back to
+afterwards. It is built for AVX-512 (F, BW; with BF16's dot product where the CPU has it), else
+for AVX2 + FMA.
+``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with none of these, or a failed build, falls back to
 the eager path with a warning.
 """
 
@@ -32,7 +33,11 @@ MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 v
 # fast 212 vs eager 148 ms; 32: 111 vs 115; 16: 55 vs 90). bf16 there: 60 rows 119 vs 675 ms.
 AVX2_FP32_MAX_ROWS = 32
 # The instruction sets it builds for, best first, with the /proc/cpuinfo flags each needs.
-ISA_FLAGS = {"avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"), "avx2": ("avx2", "fma")}
+ISA_FLAGS = {
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"),
+    "avx512": ("avx512f", "avx512bw"),
+    "avx2": ("avx2", "fma"),
+}
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -57,7 +62,7 @@ def cpu_flags() -> set[str]:
 
 
 def isa() -> str | None:
-    """The instruction set the extension builds for on this CPU (None: neither)."""
+    """The instruction set the extension builds for on this CPU (None: none of ``ISA_FLAGS``)."""
     flags = cpu_flags()
     return next((name for name, need in ISA_FLAGS.items() if flags.issuperset(need)), None)
 
@@ -80,8 +85,8 @@ def unavailable_reason() -> str | None:
     if not enabled_by_env():
         return f"{ENV_VAR}=0"
     if isa() is None:
-        wanted = " or ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
-        return f"the CPU has neither {wanted}"
+        wanted = "; ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
+        return f"the CPU has none of {wanted}"
     return _error
 
 
