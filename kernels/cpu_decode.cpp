@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -151,6 +152,9 @@ inline XPair xpair(uint32_t bits) {
   split_pair(bits, even, odd);
   return {_mm512_set1_ps(even), _mm512_set1_ps(odd)};
 }
+// The same from the pair already widened to fp32 (x[0] even, x[1] odd): broadcast loads.
+inline XPair xpair(const float* x) { return {_mm512_set1_ps(x[0]), _mm512_set1_ps(x[1])}; }
+#define TANDEM_WIDE_XPAIR
 inline V dot2(V acc, const WPair& w, const XPair& x) {
   return {_mm512_fmadd_ps(w.odd, x.odd, _mm512_fmadd_ps(w.even, x.even, acc.v))};
 }
@@ -304,6 +308,16 @@ constexpr bool WIDE_X = false;  // see the AVX-512 build without BF16
 #else
 #error "the CPU decode fast path needs AVX-512 (F, BW) or AVX2 with FMA"
 #endif
+#ifndef TANDEM_WIDE_XPAIR
+// WIDE_X is off here: the fp32 pair back to its bfloat16 bits (exact: the values came from
+// bfloat16), so that the widened tile below compiles on every ISA.
+inline XPair xpair(const float* x) {
+  uint32_t even, odd;
+  std::memcpy(&even, x, 4);
+  std::memcpy(&odd, x + 1, 4);
+  return xpair((even >> 16) | (odd & 0xFFFF0000u));
+}
+#endif
 
 template <typename T>
 inline V vrnd(V v) {  // v rounded through T
@@ -437,8 +451,7 @@ inline void tile(const float* xf, const Mat& w, uint16_t* y, int64_t m, int64_t 
     WPair wv[W];
     for (int j = 0; j < W; ++j) wv[j] = wpair(pb + (j * kp_stride + kp) * 2 * LANES);
     for (int r = 0; r < R; ++r) {
-      const float* xr = xf + (m + r) * K2 + 2 * kp;
-      const XPair xb = {vset(xr[0]).v, vset(xr[1]).v};
+      const XPair xb = xpair(xf + (m + r) * K2 + 2 * kp);
       for (int j = 0; j < W; ++j) acc[r][j] = dot2(acc[r][j], wv[j], xb);
     }
   }
@@ -1051,6 +1064,10 @@ torch::Tensor exp_lanes(torch::Tensor x) {
   for (int64_t i = 0; i < n; i += LANES) vst(py + i, vexp(vld(px + i, first(n - i))), first(n - i));
   return y;
 }
+
+#ifdef TANDEM_EXPECT_ISA  // tests: compiling with -march=... picks the branch they expect
+static_assert(std::string_view(ISA) == TANDEM_EXPECT_ISA, "unexpected instruction set branch");
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_stack", &llama_stack, "Llama decoder stack for small batches (CPU)");

@@ -5,6 +5,9 @@ transformers', and whatever it cannot run falls back to the eager path."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
+import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -370,6 +373,43 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
             assert cpu_decode.packed_rows_ok(torch.bfloat16, 1000)
     ext = cpu_decode.load_extension()
     assert ext is not None and ext.isa() == cpu_decode.isa()
+
+
+# A -march for each branch of cpu_decode.cpp (the one this machine builds runs in the tests).
+MARCH = {"avx512_bf16": "sapphirerapids", "avx512": "icelake-server", "avx2": "haswell"}
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+def test_every_instruction_set_branch_compiles() -> None:
+    """The branches this CPU does not build still compile (g++ -fsyntax-only instantiates the
+    templates), and each -march picks the branch it is meant for (a static_assert on ISA)."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{d}" for d in [*include_paths(), sysconfig.get_paths()["include"]]]
+    jobs = {
+        name: subprocess.Popen(
+            [
+                "g++",
+                "-std=c++20",
+                "-fsyntax-only",
+                "-fopenmp",
+                f"-march={march}",
+                "-DTORCH_EXTENSION_NAME=check",
+                f'-DTANDEM_EXPECT_ISA="{name}"',
+                *includes,
+                str(cpu_decode.SOURCE),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, march in MARCH.items()
+        if name != cpu_decode.isa()
+    }
+    assert set(MARCH) == set(cpu_decode.ISA_FLAGS)
+    for name, job in jobs.items():
+        out, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, f"{name} (-march={MARCH[name]}):\n{out[-3000:]}"
 
 
 def test_vector_exp_is_within_one_ulp_and_saturates() -> None:
