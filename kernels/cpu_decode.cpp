@@ -7,9 +7,9 @@
 // cache, O projection, gate/up, SiLU-and-mul and down, with matrix products that read each
 // weight once for all M rows from a copy packed for them (``pack``) and elementwise steps 16
 // lanes at a time, on AVX-512 (vdpbf16ps for bfloat16 where the CPU has AVX-512 BF16) or AVX2
-// + FMA machines (elsewhere bfloat16 is widened to fp32 in registers; the same packed layout). Values are rounded to the
-// model dtype at the same points as the eager modules in models/llama.py and models/layers.py
-// (their reference). Built at first use by
+// + FMA machines (elsewhere bfloat16 is widened to fp32 in registers; the same packed layout).
+// Values are rounded to the model dtype at the same points as the eager modules in
+// models/llama.py and models/layers.py (their reference). Built at first use by
 // kernels/cpu_decode.py.
 
 #include <ATen/Parallel.h>
@@ -65,8 +65,8 @@ inline void split_pair(uint32_t bits, float& even, float& odd) {
 // ---------------------------------------------------------------- 16-lane vectors
 //
 // V holds 16 fp32 lanes: one __m512 where the build machine has AVX-512 (F, BW), two __m256
-// where it has AVX2 and FMA (-march=native decides). Mask: the first n lanes of a
-// load or store (the rest load as zero and are not written).
+// where it has AVX2 and FMA (-march=native decides). Mask: the first n lanes of a load or
+// store (the rest load as zero and are not written).
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 struct V {
@@ -162,7 +162,7 @@ constexpr int NB = 3;     // blocks of 16 outputs per tile
 constexpr int R_MAX = 6;  // rows per tile: 6 x 3 accumulators + 3 x 2 weights + 2 activations
 // bfloat16 activations are widened to fp32 once per product (broadcast straight from memory
 // then, no per-row shifts): 16 rows of gate_up 3072x576 took 200 us this way, 267 without
-// (2-core Ice Lake-class Xeon); on AVX2 (a Zen EPYC) it was slower.
+// (2-core Xeon without AVX-512 BF16); on AVX2 (a Zen EPYC) it was slower.
 constexpr bool WIDE_X = true;
 #endif
 
@@ -273,7 +273,9 @@ inline void vst(uint16_t* p, V a, Mask n) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), w);
   std::copy_n(buf, n, p);
 }
-inline __m256 bf16_value(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline __m256 bf16_value(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+}
 inline V vbf16(V a) { return {bf16_value(a.lo), bf16_value(a.hi)}; }
 // One K pair of 16 packed bfloat16 outputs, widened: even and odd K of outputs 0-7 and 8-15;
 // a row's activation pair, widened and broadcast.
@@ -492,7 +494,8 @@ inline void rows(const X* x, const Mat& w, T* y, int64_t M, int64_t b, const cha
   };
   int64_t m = 0;
   for (; m + R_MAX <= M; m += R_MAX) tile<R_MAX, W>(x, w, y, m, b, pf());
-  if (m < M) rest_tile<X, T, W>(M - m, x, w, y, m, b, pf());  // the rest: one tile, one weight read
+  // The rest: one tile, one weight read.
+  if (m < M) rest_tile<X, T, W>(M - m, x, w, y, m, b, pf());
 }
 
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed (x: T, or fp32 for bfloat16 T).
@@ -543,8 +546,7 @@ void rms_norm(const T* x, const T* w, T* out, int64_t M, int64_t H, float eps) {
       const V v = vld(xr + i, first(H - i));
       ss = vfmadd(v, v, ss);
     }
-    const V inv =
-        vset(1.f / std::sqrt(vhsum(ss) / static_cast<float>(H) + eps));
+    const V inv = vset(1.f / std::sqrt(vhsum(ss) / static_cast<float>(H) + eps));
     for (int64_t i = 0; i < H; i += LANES) {
       const Mask k = first(H - i);
       const V n = vrnd<T>(vmul(vld(xr + i, k), inv));
