@@ -147,6 +147,9 @@ class SpeculativeConfig:
     eagle3_layers_to_capture: tuple[int, ...] | None = None
     mtp_mode: str = "eagle"  # "eagle": one MTP layer reused K times; "vanilla": K layers
     disable_draft_row_pick: bool = False
+    # Steps that run at least this many requests (all ranks together) propose no drafts: the
+    # next step decodes one token per request. None: always speculate.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -174,6 +177,21 @@ class SpeculativeConfig:
             )
         if self.method == "eagle3" and self.mtp_mode != "eagle":
             raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
+        n = self.disable_by_batch_size
+        if n is not None:
+            _require(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                "speculative_config.disable_by_batch_size",
+                n,
+                "a positive integer (or null)",
+            )
+            if self.mtp_mode == "vanilla":
+                # A paused step would have to write every layer's KV, and layer k reads the
+                # token k + 1 ahead: not known without drafts.
+                raise ValueError(
+                    "speculative_config.disable_by_batch_size is not supported with "
+                    "mtp_mode 'vanilla'"
+                )
         layers = self.eagle3_layers_to_capture
         if layers is not None:
             _require(

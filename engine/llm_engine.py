@@ -63,6 +63,7 @@ class LLMEngine:
         sc = config.speculative_config
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
         self.vanilla_mtp = sc is not None and sc.method == "mtp" and sc.mtp_mode == "vanilla"
+        self.disable_spec_at = sc.disable_by_batch_size if sc is not None else None
         pc = config.parallel_config
         # Attention DP: every rank owns its requests and KV cache, so one scheduler and block
         # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
@@ -162,7 +163,9 @@ class LLMEngine:
 
     # -------------------------------------------------------------- step
 
-    def _step_input(self, scheduled: list[ScheduledRequest], finished: list[str]) -> StepInput:
+    def _step_input(
+        self, scheduled: list[ScheduledRequest], finished: list[str], propose_drafts: bool = True
+    ) -> StepInput:
         steps = []
         for s in scheduled:
             r = s.request
@@ -191,7 +194,7 @@ class LLMEngine:
                     ),
                 )
             )
-        return StepInput(steps, finished)
+        return StepInput(steps, finished, propose_drafts)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that advanced or finished."""
@@ -204,7 +207,13 @@ class LLMEngine:
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
                 self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
             return []
-        inputs = [self._step_input(sched.scheduled, sched.finished_request_ids) for sched in scheds]
+        # Speculation pauses while the step runs at least disable_by_batch_size requests (all
+        # ranks): their drafts cost more than they save once the step is compute-bound.
+        propose = self.disable_spec_at is None or len(scheduled) < self.disable_spec_at
+        inputs = [
+            self._step_input(sched.scheduled, sched.finished_request_ids, propose)
+            for sched in scheds
+        ]
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths

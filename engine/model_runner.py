@@ -30,7 +30,7 @@ from engine.sampler import (
     sample,
 )
 from engine.sampling_params import SamplingParams
-from engine.speculative.decoder import SpecDecoder, VerifyLayout
+from engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
 from engine.speculative.interface import SpecMetadata
 from kernels.paged_attention import build_attention_plan
 from models.attention import AttentionMetadata
@@ -62,6 +62,9 @@ class RequestStep:
 class StepInput:
     requests: list[RequestStep]
     finished_request_ids: list[str] = field(default_factory=list)
+    # Speculation: False when the step is too large to speculate for (``disable_by_batch_size``):
+    # it verifies the drafts it carries and proposes none (the draft layers still write KV).
+    propose_drafts: bool = True
 
 
 @dataclass
@@ -104,7 +107,7 @@ def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]
     return [
         s
         if any(r.sample for r in s.requests)
-        else StepInput([*s.requests, dummy], s.finished_request_ids)
+        else StepInput([*s.requests, dummy], s.finished_request_ids, s.propose_drafts)
         for s in steps
     ]
 
@@ -397,6 +400,8 @@ class ModelRunner:
         if not own.requests:  # no rank has work: no collective at all
             return self.execute(own)
         advanced, plan = self.plan_graph(own.requests)
+        if not own.propose_drafts:  # paused speculation runs eagerly (every rank agrees)
+            plan = GraphPlan(None, 0)
         if plan.key is not None:  # every rank pads to the same bucket (all know every entry)
             steps = [self.pad_generation(s, plan.key.batch_size - len(s.requests)) for s in steps]
         counts = [sum(len(r.token_ids) for r in s.requests) for s in steps]
@@ -429,7 +434,12 @@ class ModelRunner:
     def execute_plain(self, step: StepInput) -> StepOutput:
         """A step without attention DP. With captured graphs, a generation-only step is planned
         first (sampling path, key, padding with dummy requests) and replayed."""
-        if self.graph_runner is None or self.graphs is None or not step.requests:
+        if (
+            self.graph_runner is None
+            or self.graphs is None
+            or not step.requests
+            or not step.propose_drafts  # paused speculation runs eagerly
+        ):
             return self.execute(step)
         _, plan = self.plan_graph(step.requests)
         if plan.key is None:
@@ -444,7 +454,7 @@ class ModelRunner:
         if n <= 0:
             return step
         dummies = [self.dummy_step(len(step.requests) + i) for i in range(n)]
-        return StepInput([*step.requests, *dummies], step.finished_request_ids)
+        return StepInput([*step.requests, *dummies], step.finished_request_ids, step.propose_drafts)
 
     @torch.inference_mode()
     def execute(
@@ -473,7 +483,7 @@ class ModelRunner:
                 inp.input_ids, inp.positions, inp.meta, capture_layers=self.capture_layers
             )
         if self.spec is not None:
-            return self._execute_spec(inp, hidden, captured, scanned, replay)
+            return self._execute_spec(inp, hidden, captured, scanned, replay, step.propose_drafts)
         if not inp.sampled:
             return StepOutput([], [], [])
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
@@ -513,6 +523,7 @@ class ModelRunner:
         captured: list[torch.Tensor],
         scanned: bool = False,
         replay: GraphReplay | None = None,
+        propose_drafts: bool = True,
     ) -> StepOutput:
         spec = self.spec
         assert spec is not None
@@ -534,27 +545,37 @@ class ModelRunner:
         else:
             self.scan_sampling_path(meta, st.all_greedy)
         b, k1 = layout.rows.shape
-        logits = self.model.compute_logits(hidden[layout.rows.view(-1)]).float().view(b, k1, -1)
+        # Logits only for the columns some request's drafts reach: the rest repeat a row
+        # (no drafts at all in a paused step: one row per request, not K + 1).
+        cols = 1 + max(r.num_drafts for r in inp.sampled)
+        rows = layout.rows[:, :cols].reshape(-1)
+        logits = self.model.compute_logits(hidden[rows]).float().view(b, cols, -1)
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)
-        propose = spec.propose if replay is None else replay.propose
-        new_drafts = propose(
-            inp,
-            inp.input_ids,
-            inp.positions,
-            inp.meta,
-            draft_hidden,
-            inp.next_tokens,
-            layout,
-            num_accepted,
-            tokens,
-            st,
-            meta,
-            request_ids,
-        )
+        if not propose_drafts:
+            spec.write_step_kv(inp, draft_hidden, layout, num_accepted, tokens)
+            new_drafts = tokens.new_empty((b, 0))
+            spec.forget(request_ids)
+        else:
+            propose = spec.propose if replay is None else replay.propose
+            new_drafts = propose(
+                inp,
+                inp.input_ids,
+                inp.positions,
+                inp.meta,
+                draft_hidden,
+                inp.next_tokens,
+                layout,
+                num_accepted,
+                tokens,
+                st,
+                meta,
+                request_ids,
+            )
         lp = None
         if st.max_num_logprobs > 0:
-            lp = compute_logprobs(logits.view(b * k1, -1), tokens.view(-1), st.max_num_logprobs)
+            full = widen_columns(logits, k1).reshape(b * k1, -1)
+            lp = compute_logprobs(full, tokens.view(-1), st.max_num_logprobs)
         # The step's one host sync.
         acc = num_accepted.tolist()
         toks = tokens.tolist()

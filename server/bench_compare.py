@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a small model with the same tokenizer for transformers' assisted generation",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative rows: no drafts in steps of at least N requests (speculative_config's "
+        "disable_by_batch_size)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
     p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
@@ -443,6 +451,10 @@ def _main(ns: argparse.Namespace) -> int:
         mtp, mtp_why = {"method": "mtp", "num_speculative_tokens": k}, ""
     else:
         mtp, mtp_why = _spec_choice(ns.mtp, BUILTIN_MTP if builtin else None, "mtp", k)
+    if ns.disable_by_batch_size is not None:
+        for spec in (eagle3, mtp):
+            if spec is not None:
+                spec["disable_by_batch_size"] = ns.disable_by_batch_size
     assistant_why = ""
     if ns.assistant_model is None:
         assistant_why = "no --assistant-model (a smaller model with the same tokenizer) given"
@@ -482,6 +494,8 @@ def _main(ns: argparse.Namespace) -> int:
     rows.append(run_tandem(model, prompts, cfg, None, "tandem"))
     for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
         name = f"tandem + {method} (K={k})"
+        if ns.disable_by_batch_size is not None:
+            name = f"tandem + {method} (K={k}, off at {ns.disable_by_batch_size}+)"
         if spec is None:
             rows.append(Row(name, by_concurrency=dict(na), note=why))
             continue

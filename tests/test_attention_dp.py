@@ -155,6 +155,32 @@ def _req(rid: str, sample: bool, n: int = 1) -> RequestStep:
     return RequestStep(rid, list(range(n)), 0, [0], sample, SamplingParams(temperature=0))
 
 
+@pytest.mark.timeout(300)
+def test_adp2_speculation_pauses_together(ckpts: tuple[Path, Path]) -> None:
+    """ADP = 2 + LM-head TP with Eagle3 and ``disable_by_batch_size``: the pause is decided on
+    the whole step (both ranks' requests), so both ranks skip the draft loop and its collectives
+    together (same path and graph key every step, no hang); greedy output equals no speculation,
+    and the engine speculates again once fewer requests run."""
+    target, draft = ckpts
+    with LLM(str(target), **CHUNKED) as llm:
+        ref_tokens = _run(llm)[0]
+    spec = {**_spec("eagle3", draft), "disable_by_batch_size": 3}  # type: ignore[dict-item]
+    with LLM(
+        str(target),
+        speculative_config=spec,
+        tensor_parallel_size=2,
+        enable_attention_dp=True,
+        enable_lm_head_tp_in_adp=True,
+        **CHUNKED,
+    ) as llm:
+        tokens, accepted, _, _ = _run(llm)
+    assert tokens == ref_tokens
+    # r0 (20 tokens) runs next to others at first (no drafts), then alone or in pairs (drafts).
+    r0_drafts = accepted[0][1]
+    assert [] in r0_drafts[:3] and any(d for d in r0_drafts)
+    assert accepted[0][0], "no step verified drafts"  # per-position acceptance recorded
+
+
 def test_pad_steps_gives_every_rank_without_a_sampled_request_the_dummy() -> None:
     dummy = _req(ADP_DUMMY_REQUEST_ID, True)
     busy = StepInput([_req("a", True, 3)])

@@ -242,6 +242,24 @@ def test_compare_names_why_a_row_is_missing(tmp_path_factory, tmp_path, capsys):
     assert "vs transformers: n/a" in out
 
 
+def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, capsys):
+    result = tmp_path / "c.json"
+    rc = main(
+        [
+            "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
+            "--skip-transformers", "--eagle3", "none", "--disable-by-batch-size", "2",
+            "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    name = f"tandem + mtp (K={K}, off at 2+)"
+    # Its line in the tokens/s table and in the vs-tandem table (no transformers baseline).
+    assert sum(line.startswith(name + " ") for line in capsys.readouterr().out.splitlines()) == 2
+    row = {r["name"]: r for r in json.loads(result.read_text())["rows"]}[name]
+    assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
+    assert 1.0 <= row["tokens_per_step"] <= K + 1
+
+
 def test_bandwidth_and_roofline(tmp_path_factory):
     bw = measure_memory_bandwidth(16 << 20, repeats=2)
     assert bw["bandwidth"] > 0 and bw["copy"] > 0 and bw["sum"] > 0

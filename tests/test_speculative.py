@@ -148,6 +148,14 @@ def test_configuration_errors(models, tmp_path: Path) -> None:
         LLM(t, speculative_config={"method": "mtp", "draft_len": 3})
     with pytest.raises(ValueError, match="mtp_mode"):
         LLM(t, speculative_config={"method": "mtp", "mtp_mode": "parallel"})
+    for bad_size in (0, -2, 1.5, "4", True):
+        with pytest.raises(ValueError, match="disable_by_batch_size"):
+            LLM(t, speculative_config={"method": "mtp", "disable_by_batch_size": bad_size})
+    with pytest.raises(ValueError, match="disable_by_batch_size is not supported"):
+        LLM(
+            t,
+            speculative_config={"method": "mtp", "mtp_mode": "vanilla", "disable_by_batch_size": 4},
+        )
     # A target without MTP layers.
     plain = build_llama(tmp_path / "plain")
     with pytest.raises(ValueError, match="no MTP layers"):
@@ -238,3 +246,38 @@ def test_drafts_do_not_depend_on_chunking(models, method: str) -> None:
             runs.append(_drafts_after_each_step(llm, PROMPTS, params))
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert any(d for steps in runs[0].values() for d in steps)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+def test_speculation_pauses_at_the_batch_size_limit(models, baseline, method: str) -> None:
+    """``disable_by_batch_size``: a step of at least that many requests proposes no drafts (the
+    next step decodes one token per request), speculation resumes once the batch shrinks, greedy
+    output is unchanged, and the first drafts after the pause equal those a fresh prefill of the
+    same text proposes: the paused steps kept writing the draft KV."""
+    spec = {**_spec(models, method, 3), "disable_by_batch_size": 2}
+    long = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(models["target"]), speculative_config=spec) as llm:
+        a = llm.engine.add_request("a", PROMPTS[1], long)
+        b = llm.engine.add_request("b", PROMPTS[0], short)
+        steps = []  # per step: the requests it ran, a's output length and drafts after it
+        while llm.engine.has_unfinished_requests():
+            ran = [out.request_id for out in llm.engine.step()]
+            steps.append((ran, len(a.output_token_ids), list(a.spec_token_ids)))
+        assert a.output_token_ids == baseline["target"][1]
+        assert b.output_token_ids == baseline["target"][0][:6]
+        both = [s for s in steps if len(s[0]) == 2]
+        assert both and all(drafts == [] for _, _, drafts in both)
+        alone = [s for s in steps if s[0] == ["a"] and s[2]]
+        assert alone, "speculation did not resume"
+        # Every step after one that left drafts verified them (and only those).
+        verified = sum(
+            1 for prev, cur in zip(steps, steps[1:], strict=False) if prev[2] and "a" in cur[0]
+        )
+        assert a.spec_stats is not None and a.spec_stats.num_drafts == verified > 0
+        n, resumed = alone[0][1], alone[0][2]
+    with LLM(str(models["target"]), speculative_config=_spec(models, method, 3)) as llm:
+        ref = llm.engine.add_request("ref", PROMPTS[1] + a.output_token_ids[: n - 1], long)
+        llm.engine.step()
+        assert ref.output_token_ids == a.output_token_ids[n - 1 : n]
+        assert list(ref.spec_token_ids) == resumed

@@ -47,6 +47,16 @@ class SpecResult:
     topk_logprobs: Tensor | None = None
 
 
+def widen_columns(x: Tensor, k1: int) -> Tensor:
+    """``x`` [B, C, ...] → [B, k1, ...], column C - 1 repeated (the verify layout's rows past a
+    request's drafts repeat its last row, so their logits are the same)."""
+    c = x.shape[1]
+    if c == k1:
+        return x
+    idx = torch.arange(k1, device=x.device).clamp(max=c - 1)
+    return x[:, idx]
+
+
 class SpecDecoder:
     def __init__(
         self,
@@ -82,10 +92,15 @@ class SpecDecoder:
         meta: SpecMetadata,
         request_ids: list[str],
     ) -> tuple[Tensor, Tensor]:
-        """logits: [B, K + 1, V] → (num_accepted [B], tokens [B, K + 1])."""
-        b, k1, v = logits.shape
+        """logits: [B, C, V] for the first C <= K + 1 layout columns (the later columns repeat
+        column C - 1: every request carries at most C - 1 drafts) → (num_accepted [B], tokens
+        [B, K + 1])."""
+        b, k1 = layout.rows.shape
         if meta.all_greedy:
-            return accept_matching(logits.argmax(-1), layout.drafts, layout.num_drafts)
+            ids = widen_columns(logits.argmax(-1), k1)
+            return accept_matching(ids, layout.drafts, layout.num_drafts)
+        logits = widen_columns(logits, k1)
+        v = logits.shape[-1]
         flat = _repeat_rows(st, k1)
         p = probs_for_rows(logits.reshape(b * k1, v), flat).view(b, k1, v)
         if not meta.use_rejection_sampling:
@@ -121,6 +136,24 @@ class SpecDecoder:
         for k in range(self.k):
             tokens = self._vanilla_tokens(k, step_tokens, inp)
             hidden = self.draft(k, inp.positions, tokens, hidden, inp.meta)
+
+    def write_step_kv(
+        self,
+        inp: Any,
+        draft_hidden: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+    ) -> None:
+        """A step that proposes no drafts (``disable_by_batch_size``): step 0 of the draft loop
+        still writes the draft KV of every row, each row's input token being the one after it
+        (the accepted tokens, then the correction / bonus token), so that a later step drafts
+        from a complete draft KV cache. Not for vanilla MTP (the configuration refuses it)."""
+        last_rows = inp.meta.query_start_loc[1:].long() - 1
+        step_tokens, _ = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, inp.input_ids, last_rows, inp.next_tokens
+        )
+        self.write_prompt_kv(inp, step_tokens, draft_hidden)
 
     def _vanilla_tokens(self, k: int, step_tokens: Tensor, inp: Any) -> Tensor:
         """Layer k's input token of every row: the token k + 1 positions ahead of it, from the
