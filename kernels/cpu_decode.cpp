@@ -379,6 +379,11 @@ struct Mat {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+template <int R, int W>
+inline void zero(V (&acc)[R][W]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
+}
 template <typename T, int R, int W>
 inline void store_tile(V (&acc)[R][W], T* y, int64_t m, int64_t o0, int64_t O) {
   for (int r = 0; r < R; ++r) {
@@ -407,8 +412,7 @@ inline void tile(const uint16_t* x, const Mat& w, uint16_t* y, int64_t m, int64_
   const int64_t K = w.K, kp_stride = ceil_div(K, 2);
   const uint16_t* pb = static_cast<const uint16_t*>(w.p) + b * kp_stride * 2 * LANES;
   V acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
+  zero(acc);
   // One K pair: pair(r) is row r's two activations as one 32-bit word.
   auto step = [&](int64_t kp, auto pair) {
     pf.at(kp);
@@ -437,8 +441,7 @@ inline void tile(const float* x, const Mat& w, float* y, int64_t m, int64_t b,
   const int64_t K = w.K;
   const float* pb = static_cast<const float*>(w.p) + b * K * LANES;
   V acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
+  zero(acc);
   for (int64_t k = 0; k < K; ++k) {
     pf.at(k);
     V wv[W];
@@ -459,8 +462,7 @@ inline void tile(const float* xf, const Mat& w, uint16_t* y, int64_t m, int64_t 
   const int64_t kp_stride = ceil_div(w.K, 2), K2 = 2 * kp_stride;
   const uint16_t* pb = static_cast<const uint16_t*>(w.p) + b * kp_stride * 2 * LANES;
   V acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < W; ++j) acc[r][j] = vzero();
+  zero(acc);
   for (int64_t kp = 0; kp < kp_stride; ++kp) {
     pf.at(kp);
     WPair wv[W];

@@ -33,6 +33,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in 
 # A 16-token budget chunks the 30-token prompt: rank 0 then has a step with a mid-prompt chunk
 # and no sampled request (it runs a dummy next to it) while rank 1 decodes.
 CHUNKED: dict[str, Any] = {"dtype": "float32", "max_num_batched_tokens": 16}
+ADP2: dict[str, Any] = {"tensor_parallel_size": 2, "enable_attention_dp": True}
 SPECS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "mtp": {"method": "mtp", "num_speculative_tokens": 3},
@@ -117,9 +118,8 @@ def test_adp2_equals_single_rank(ckpts: tuple[Path, Path]) -> None:
         with LLM(
             str(target),
             speculative_config=spec,
-            tensor_parallel_size=2,
-            enable_attention_dp=True,
             enable_lm_head_tp_in_adp=lm_head_tp,
+            **ADP2,
             **_budget(name),
         ) as llm:
             engine = llm.engine
@@ -165,14 +165,8 @@ def test_adp2_speculation_pauses_together(ckpts: tuple[Path, Path]) -> None:
     with LLM(str(target), **CHUNKED) as llm:
         ref_tokens = _run(llm)[0]
     spec = {**_spec("eagle3", draft), "disable_by_batch_size": 3}  # type: ignore[dict-item]
-    with LLM(
-        str(target),
-        speculative_config=spec,
-        tensor_parallel_size=2,
-        enable_attention_dp=True,
-        enable_lm_head_tp_in_adp=True,
-        **CHUNKED,
-    ) as llm:
+    adp = {**ADP2, "enable_lm_head_tp_in_adp": True}
+    with LLM(str(target), speculative_config=spec, **adp, **CHUNKED) as llm:
         tokens, accepted, _, _ = _run(llm)
     assert tokens == ref_tokens
     # r0 (20 tokens) runs next to others at first (no drafts), then alone or in pairs (drafts).
