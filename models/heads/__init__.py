@@ -28,9 +28,10 @@ def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | 
     gets that method's shipped head (K = 3 unless given).
 
     With none given the built-in model serves without speculation: the shipped heads reach 1.45 to
-    1.55 tokens per step on the eval set (see their cards), and at that rate a K = 3 step gains
-    little on a CPU at one stream (Eagle3, bf16: 1.05-1.26x) and loses with four or more (0.73x). ``DEFAULT_METHOD`` becomes the default once a head clears 2
-    tokens per step."""
+    1.62 tokens per step on the eval set (see their cards), and at that rate a K = 3 step gains
+    little on a CPU at one stream (Eagle3, bf16: 0.96-1.26x over several machines and runs) and
+    loses with four or more streams (0.45-0.73x; 0.92-0.97x with ``disable_by_batch_size`` 4).
+    ``DEFAULT_METHOD`` becomes the default once a head clears 2 tokens per step."""
     if spec is None:
         return None
     method = spec.get("method")
