@@ -6,9 +6,8 @@ modules of ``models/llama.py`` are its reference and serve every other step. It 
 the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards. It is built for AVX-512 (F, BW; with BF16's dot product where the CPU has it), else
-for AVX2 + FMA.
-``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with none of these, or a failed build, falls back to
-the eager path with a warning.
+for AVX2 + FMA. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with none of these, or a failed
+build, falls back to the eager path with a warning.
 """
 
 from __future__ import annotations

@@ -345,7 +345,8 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """AVX-512 with BF16 where present, else AVX-512 (F, BW), else AVX2 + FMA, else no fast path
-    (with a reason naming each), and the row limit for each; the extension reports what it was built for."""
+    (with a reason naming each), and the row limit for each; the extension reports what it was
+    built for."""
     cases = [
         ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, "avx512_bf16"),
         ({"avx2", "fma", "avx512f", "avx512bw"}, "avx512"),  # without BF16's dot product
