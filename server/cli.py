@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-config",
         default=None,
         help="JSON, e.g. '{\"method\": ...}', or none; the built-in model defaults to its shipped "
-        "Eagle3 head (K = 3)",
+        "Eagle3 head (K = 3, paused from 4 running requests)",
     )
 
     graphs = s.add_argument_group("CUDA graphs")
@@ -199,7 +199,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         from models.builtin import builtin_model_path
 
         model = builtin_model_path()
-        if not spec_off:  # a shipped method without a model gets the shipped head
+        if not spec_off:  # the shipped Eagle3 head by default; a shipped method gets its head
             from models.heads import builtin_speculative_config
 
             spec = builtin_speculative_config(spec)

@@ -72,9 +72,10 @@ def cmdline(pid: int) -> str:
 
 class RemoteServer:
     """`python -m server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own process
-    group; ``stop()`` ends it and anything it started."""
+    group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
+    model (no MODEL argument)."""
 
-    def __init__(self, model: Path, args: list[str], api_key: str | None = None) -> None:
+    def __init__(self, model: Path | None, args: list[str], api_key: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.model = model
@@ -84,7 +85,7 @@ class RemoteServer:
             "-m",
             "server.cli",
             "serve",
-            str(model),
+            *([str(model)] if model is not None else []),
             "--host",
             "127.0.0.1",
             "--port",

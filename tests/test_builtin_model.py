@@ -194,6 +194,27 @@ def test_offline_engine_answers_paris(llm: LLM) -> None:
     assert out.finish_reason == "stop"  # it ends its answer with <|im_end|>
 
 
+def test_serve_without_model_speculates_and_answers_paris(folder: Path) -> None:
+    """`tandem serve` with no MODEL (what `make serve` runs), through the official client: the
+    built-in model answers, with the shipped Eagle3 head drafting by default."""
+    from openai import OpenAI
+
+    from tests.server_utils import RemoteServer, metric, scrape_metrics
+
+    args = ["--dtype", "float32", "--max-num-seqs", "2", "--kv-cache-memory", "64MiB"]
+    with RemoteServer(None, args) as server:  # $TANDEM_CACHE (the fixture) finds `folder`
+        client = OpenAI(base_url=server.url("/v1"), api_key="none")
+        [served] = [m.id for m in client.models.list().data]
+        reply = client.chat.completions.create(
+            model=served, messages=QUESTION, temperature=0, max_tokens=24
+        )
+        assert "Paris" in reply.choices[0].message.content, reply
+        samples = scrape_metrics(server)
+        drafts = metric(samples, "tandem:spec_decode_num_draft_tokens_total")
+        steps = metric(samples, "tandem:spec_decode_num_drafts_total")
+    assert steps >= 1 and drafts == 3 * steps, (steps, drafts)  # K = 3 by default
+
+
 def test_second_call_reuses_the_conversion(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 

