@@ -124,6 +124,13 @@ def test_sampled_distillation_is_seeded_per_answer(target: Path, tmp_path: Path)
     greedy = D.distill(target, PROMPTS, tmp_path / "g.jsonl", 16)
     answers = [[r["response_ids"] for r in rows] for rows in (sampled, other, greedy)]
     assert answers[0] != answers[1] and answers[0] != answers[2]
+    assert {r.get("temperature") for r in sampled} == {1.0}
+    assert {r.get("temperature") for r in greedy} == {None}
+    with pytest.raises(ValueError, match="temperature 1.0, not 0.5"):
+        D.distill(target, PROMPTS, tmp_path / "a.jsonl", 16, temperature=0.5, seed=3)
+    hard = _args("mtp", tmp_path / "h", target, responses=str(tmp_path / "a.jsonl"), labels="hard")
+    with pytest.raises(ValueError, match="labels='soft'"):
+        train_draft(hard)
 
 
 def test_training_reads_several_response_files(

@@ -5,6 +5,8 @@ A responses file holds one JSON object a line::
 
     {"prompt": str, "prompt_ids": [int], "response_ids": [int], "finish_reason": str}
 
+plus ``"temperature": float`` on sampled answers (greedy ones leave it out).
+
 Only complete lines count, so a file that another process is still appending to can be read.
 """
 
@@ -123,6 +125,11 @@ def distill(
             raise ValueError(
                 f"{out} line {i + 1} answers another prompt; remove it or pass another --out"
             )
+        if float(row.get("temperature", 0.0)) != float(temperature):
+            raise ValueError(
+                f"{out} line {i + 1} was written at temperature {row.get('temperature', 0.0)}, "
+                f"not {temperature}; remove it or pass another --out"
+            )
     if out.is_file():  # drop a partial last line before appending
         raw = out.read_bytes()
         keep = sum(len(line) for line in raw.splitlines(keepends=True)[: len(done)])
@@ -154,6 +161,8 @@ def distill(
                     "response_ids": list(o.outputs[0].token_ids),
                     "finish_reason": o.outputs[0].finish_reason,
                 }
+                if temperature > 0:
+                    row["temperature"] = temperature
                 f.write(json.dumps(row) + "\n")
                 done.append(row)
             f.flush()

@@ -151,6 +151,11 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
             seed=args.seed,
             device=args.device,
         )
+    if args.labels == "hard" and any(row.get("temperature", 0) > 0 for row in rows):
+        raise ValueError(
+            "labels='hard' would teach sampled answers' tokens (responses with a temperature), "
+            "not the target's greedy ones: use labels='soft'"
+        )
     if num_rows is not None:  # resuming: the data the run started with
         if len(rows) < num_rows:
             raise ValueError(f"resume needs {num_rows} response lines, found {len(rows)}")
