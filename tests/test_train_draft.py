@@ -409,19 +409,26 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
     assert "*/model.safetensors" in setup["package-data"]["models.heads"]
 
 
-def test_shipped_answers_are_the_train_prompts_through_the_chat_template() -> None:
-    """The built-in model's distilled answers (the heads' training data) answer the shipped
-    train prompts in order, each prompt through the tokenizer's chat template."""
+@pytest.mark.parametrize(
+    ("name", "temperature", "limit"),
+    [("builtin_answers", None, 320), ("builtin_sampled_answers", 0.8, 256)],
+)
+def test_shipped_answers_are_the_train_prompts_through_the_chat_template(
+    name: str, temperature: float | None, limit: int
+) -> None:
+    """The built-in model's distilled answers (the heads' training data: greedy, and sampled at
+    0.8) answer the shipped train prompts in order, each prompt through the chat template."""
     from transformers import AutoTokenizer
 
     from models.builtin import builtin_model_path
 
-    rows = D.read_responses(D.shipped_prompts_path("train").parent / "builtin_answers.jsonl.gz")
+    rows = D.read_responses(D.shipped_prompts_path("train").parent / f"{name}.jsonl.gz")
     assert [r["prompt"] for r in rows] == D.load_prompts(name="train")
+    assert {r.get("temperature") for r in rows} == {temperature}
     tok = AutoTokenizer.from_pretrained(builtin_model_path())
     for r in rows[::400]:
         assert r["prompt_ids"] == D.chat_prompt_ids(tok, r["prompt"])
-        assert 2 <= len(r["response_ids"]) <= 320
+        assert 2 <= len(r["response_ids"]) <= limit
         assert r["finish_reason"] in ("stop", "length")
 
 
