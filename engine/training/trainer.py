@@ -31,6 +31,10 @@ STATE_FILE = "training_state.pt"
 LOG_FILE = "train_log.jsonl"
 METHODS = ("eagle3", "mtp")
 LABELS = ("soft", "hard")
+_HARD_ON_SAMPLED = (
+    "{what} with labels='hard' would teach the sampled tokens, not the target's greedy ones: "
+    "use labels='soft'"
+)
 
 
 @dataclass
@@ -92,10 +96,7 @@ class TrainArgs:
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2:
             raise ValueError(f"distill_temperature={t!r} is invalid: must be in [0, 2]")
         if t > 0 and self.labels == "hard":
-            raise ValueError(
-                f"distill_temperature={t!r} with labels='hard' would teach the sampled tokens, "
-                "not the target's greedy ones: use labels='soft'"
-            )
+            raise ValueError(_HARD_ON_SAMPLED.format(what=f"distill_temperature={t!r}"))
 
     @property
     def response_files(self) -> tuple[str, ...]:
@@ -152,10 +153,7 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
             device=args.device,
         )
     if args.labels == "hard" and any(row.get("temperature", 0) > 0 for row in rows):
-        raise ValueError(
-            "labels='hard' would teach sampled answers' tokens (responses with a temperature), "
-            "not the target's greedy ones: use labels='soft'"
-        )
+        raise ValueError(_HARD_ON_SAMPLED.format(what="responses sampled with a temperature"))
     if num_rows is not None:  # resuming: the data the run started with
         if len(rows) < num_rows:
             raise ValueError(f"resume needs {num_rows} response lines, found {len(rows)}")
