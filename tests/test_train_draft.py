@@ -409,21 +409,93 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
     assert "*/model.safetensors" in setup["package-data"]["models.heads"]
 
 
+def test_synthesized_prompts_are_the_targets_own_and_resume(tmp_path: Path) -> None:
+    """The built-in chat model continues its template's user turn: complete, distinct messages
+    of 3+ words, none of the excluded ones; seeded (a rerun and a resumed run write the same),
+    and an excluded prompt is skipped while the rest stay the same."""
+    from transformers import AutoTokenizer
+
+    from models.builtin import builtin_model_path
+
+    model = builtin_model_path()
+    tok = AutoTokenizer.from_pretrained(model)
+    prefix, stop = D.user_turn_prefix(tok)
+    assert tok.decode(prefix).endswith("<|im_start|>user\n")
+    assert stop == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+    first = D.synthesize_prompts(model, 4, tmp_path / "a.jsonl", seed=5, chunk=8)
+    assert len(first) == 4 and len({D.prompt_key(p) for p in first}) == 4
+    assert all(len(p.split()) >= 3 and "<|im" not in p for p in first)
+    rows = D.read_responses(tmp_path / "a.jsonl")
+    assert [r["prompt"] for r in rows] == first
+    attempts = [r["attempt"] for r in rows]
+    assert attempts == sorted(set(attempts))
+    # Resumed from the file: the first four kept, two more after them.
+    more = D.synthesize_prompts(model, 6, tmp_path / "a.jsonl", seed=5, chunk=8)
+    assert more[:4] == first and len(more) == 6
+    # A fresh file, the same seed: the same attempts, the excluded one skipped.
+    skipped = D.synthesize_prompts(
+        model, 3, tmp_path / "c.jsonl", exclude=[f"  {first[0].upper()} "], seed=5, chunk=8
+    )
+    assert skipped[:2] == first[1:3] and first[0] not in skipped
+    with pytest.raises(ValueError, match="num=0"):
+        D.synthesize_prompts(model, 0, tmp_path / "d.jsonl")
+
+
+def test_training_on_synthesized_prompts_distills_them(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``synthesize_prompts``: OUT/prompts.jsonl from the target, the shipped eval prompts
+    excluded, then those prompts answered and trained on; refused with ``prompts``."""
+    calls = []
+
+    def fake(target_path: str, num: int, out: Path, **kw: object) -> list[str]:
+        calls.append((target_path, num, Path(out), kw))
+        return PROMPTS[:num]
+
+    monkeypatch.setattr(D, "synthesize_prompts", fake)
+    out = tmp_path / "h"
+    args = _args("mtp", out, target, synthesize_prompts=3, max_steps=1, seed=7)
+    result = train_draft(args)
+    ((path, num, prompts_file, kw),) = calls
+    assert (path, num, prompts_file) == (str(target), 3, out / "prompts.jsonl")
+    assert kw["exclude"] == D.load_prompts(name="eval") and kw["seed"] == 7
+    rows = D.read_responses(out / "responses.jsonl")
+    assert [r["prompt"] for r in rows] == PROMPTS[:3] and result.num_sequences == 3
+    for bad in (0, -2, True, 1.5):
+        with pytest.raises(ValueError, match="synthesize_prompts"):
+            _args("mtp", out, target, synthesize_prompts=bad)
+    with pytest.raises(ValueError, match="not both"):
+        _args("mtp", out, target, synthesize_prompts=2, prompts="p.jsonl")
+
+
 @pytest.mark.parametrize(
     ("name", "temperature", "limit"),
-    [("builtin_answers", None, 320), ("builtin_sampled_answers", 0.8, 256)],
+    [
+        ("builtin_answers", None, 320),
+        ("builtin_sampled_answers", 0.8, 256),
+        ("builtin_synthesized_answers", None, 256),
+    ],
 )
 def test_shipped_answers_are_the_train_prompts_through_the_chat_template(
     name: str, temperature: float | None, limit: int
 ) -> None:
     """The built-in model's distilled answers (the heads' training data: greedy, and sampled at
-    0.8) answer the shipped train prompts in order, each prompt through the chat template."""
+    0.8) answer the shipped train prompts in order, each prompt through the chat template; the
+    synthesized set answers 2650 distinct prompts the model wrote, none of them an eval
+    prompt."""
     from transformers import AutoTokenizer
 
     from models.builtin import builtin_model_path
 
     rows = D.read_responses(D.shipped_prompts_path("train").parent / f"{name}.jsonl.gz")
-    assert [r["prompt"] for r in rows] == D.load_prompts(name="train")
+    prompts = [r["prompt"] for r in rows]
+    if "synthesized" in name:
+        keys = {D.prompt_key(p) for p in prompts}
+        assert len(keys) == len(rows) == 2650
+        assert not keys & {D.prompt_key(p) for p in D.load_prompts(name="eval")}
+    else:
+        assert prompts == D.load_prompts(name="train")
     assert {r.get("temperature") for r in rows} == {temperature}
     tok = AutoTokenizer.from_pretrained(builtin_model_path())
     for r in rows[::400]:

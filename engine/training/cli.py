@@ -39,6 +39,14 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     )
     d.add_argument("--prompts", default=None, metavar="FILE", help="prompts to self-distill")
     d.add_argument("--num-prompts", type=int, default=None)
+    d.add_argument(
+        "--synthesize-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the target writes N user prompts of its own (OUT/prompts.jsonl; the shipped eval "
+        "prompts excluded) and answers them",
+    )
     d.add_argument("--max-response-tokens", type=int, default=320)
     d.add_argument(
         "--distill-temperature",
@@ -142,6 +150,7 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
         distill_temperature=ns.distill_temperature,
         prompts=ns.prompts,
         num_prompts=ns.num_prompts,
+        synthesize_prompts=ns.synthesize_prompts,
         text_files=tuple(ns.text_file),
         distill=not ns.no_distill,
         max_response_tokens=ns.max_response_tokens,

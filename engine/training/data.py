@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -99,6 +100,18 @@ def read_responses(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def _keep_lines(path: Path, n: int) -> None:
+    """Cut ``path`` (if it exists) after its first ``n`` lines: drops a partial last line
+    before a resumed run appends."""
+    if not path.is_file():
+        return
+    raw = path.read_bytes()
+    keep = sum(len(line) for line in raw.splitlines(keepends=True)[:n])
+    if keep != len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+
+
 def distill(
     target: str | os.PathLike,
     prompts: list[str],
@@ -130,12 +143,7 @@ def distill(
                 f"{out} line {i + 1} was written at temperature {row.get('temperature', 0.0)}, "
                 f"not {temperature}; remove it or pass another --out"
             )
-    if out.is_file():  # drop a partial last line before appending
-        raw = out.read_bytes()
-        keep = sum(len(line) for line in raw.splitlines(keepends=True)[: len(done)])
-        if keep != len(raw):
-            with open(out, "r+b") as f:
-                f.truncate(keep)
+    _keep_lines(out, len(done))
     todo = prompts[len(done) :]
     if not todo:
         return done[: len(prompts)]
@@ -169,6 +177,96 @@ def distill(
             bar.update(len(part))
         bar.close()
     return done
+
+
+_TURN_MARK = "\x00TANDEM_USER_TURN\x00"
+
+
+def user_turn_prefix(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """(the chat template's tokens up to a user message's text, the ids that end a user turn):
+    a chat model continuing the prefix writes a user message of its own."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _TURN_MARK}], tokenize=False, add_generation_prompt=False
+    )
+    if text.count(_TURN_MARK) != 1:
+        raise ValueError("the tokenizer's chat template does not place a user message once")
+    before, after = text.split(_TURN_MARK)
+    ids = [int(i) for i in tokenizer.encode(before, add_special_tokens=False)]
+    end = tokenizer.encode(after.strip(), add_special_tokens=False) if after.strip() else []
+    stop = [int(end[0])] if len(end) == 1 else []
+    return ids, stop
+
+
+def prompt_key(text: str) -> str:
+    """A prompt compared case- and spacing-blind."""
+    return " ".join(text.lower().split())
+
+
+def synthesize_prompts(
+    target: str | os.PathLike,
+    num: int,
+    out: str | os.PathLike,
+    exclude: Sequence[str] = (),
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    max_tokens: int = 96,
+    chunk: int = 64,
+    **engine_args: Any,
+) -> list[str]:
+    """The target's own user prompts, ``num`` of them, appended to ``out`` (``{"prompt",
+    "attempt"}`` lines; a rerun resumes after the last complete line): the chat template up to
+    a user message, continued by the target (attempt ``j`` sampled with seed ``seed + j``),
+    kept when the message ends its turn, has 3+ words and is neither a duplicate nor one of
+    ``exclude`` (case and spacing ignored). Gives a target without a prompt set varied
+    prompts from its own chat distribution to self-distill (the shipped eval prompts are
+    excluded by the CLI). At most ``4 * num`` attempts; fewer prompts come back if they run out."""
+    from engine import LLM, SamplingParams
+
+    if num < 1:
+        raise ValueError(f"num={num!r} is invalid: must be >= 1")
+    out = Path(out)
+    rows = read_responses(out) if out.is_file() else []
+    prompts = [str(r["prompt"]) for r in rows]
+    seen = {prompt_key(p) for p in prompts} | {prompt_key(p) for p in exclude}
+    attempt = int(rows[-1].get("attempt", len(rows) - 1)) + 1 if rows else 0
+    _keep_lines(out, len(rows))
+    if len(prompts) >= num:
+        return prompts[:num]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    with LLM(str(target), max_num_seqs=chunk, **engine_args) as llm, open(out, "a") as f:
+        prefix, stop = user_turn_prefix(llm.tokenizer)
+        bar = tqdm(total=num, initial=len(prompts), desc="prompt synthesis", unit="prompt")
+        while len(prompts) < num and attempt < 4 * num:
+            n = min(chunk, 4 * num - attempt)
+            params = [
+                SamplingParams(
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seed + attempt + j,
+                    max_tokens=max_tokens,
+                    stop_token_ids=stop,
+                )
+                for j in range(n)
+            ]
+            for j, o in enumerate(llm.generate([prefix] * n, params)):
+                text = o.outputs[0].text.strip()
+                key = prompt_key(text)
+                if o.outputs[0].finish_reason != "stop" or len(key.split()) < 3 or key in seen:
+                    continue
+                seen.add(key)
+                if len(prompts) < num:
+                    prompts.append(text)
+                    f.write(json.dumps({"prompt": text, "attempt": attempt + j}) + "\n")
+                    bar.update(1)
+            attempt += n
+            f.flush()
+        bar.close()
+    if len(prompts) < num:
+        logger.warning("prompt synthesis kept %d of %d prompts", len(prompts), num)
+    return prompts
 
 
 def response_sequences(rows: list[dict[str, Any]], max_len: int) -> list[TrainSequence]:

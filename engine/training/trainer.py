@@ -46,6 +46,8 @@ class TrainArgs:
     responses: str | tuple[str, ...] | None = None
     prompts: str | None = None  # prompt JSONL to self-distill (default: the shipped train set)
     num_prompts: int | None = None
+    # The target writes this many user prompts of its own (OUT/prompts.jsonl) to self-distill.
+    synthesize_prompts: int | None = None
     text_files: tuple[str, ...] = ()
     distill: bool = True
     max_response_tokens: int = 320
@@ -92,6 +94,11 @@ class TrainArgs:
             raise ValueError(f"max_steps={self.max_steps!r} is invalid: must be >= 1")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr!r} is invalid: must be > 0")
+        n = self.synthesize_prompts
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"synthesize_prompts={n!r} is invalid: must be an integer >= 1")
+        if n is not None and self.prompts:
+            raise ValueError("give prompts or synthesize_prompts, not both")
         t = self.distill_temperature
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2:
             raise ValueError(f"distill_temperature={t!r} is invalid: must be in [0, 2]")
@@ -139,8 +146,18 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
         rows = [row for name in args.response_files for row in D.read_responses(name)]
         if args.num_prompts is not None:
             rows = rows[: args.num_prompts]
-    elif args.distill and (args.prompts or not args.text_files):
-        prompts = D.load_prompts(args.prompts)
+    elif args.distill and (args.prompts or args.synthesize_prompts or not args.text_files):
+        if args.synthesize_prompts:
+            prompts = D.synthesize_prompts(
+                target_path,
+                args.synthesize_prompts,
+                Path(args.out) / "prompts.jsonl",
+                exclude=D.load_prompts(name="eval"),
+                seed=args.seed,
+                device=args.device,
+            )
+        else:
+            prompts = D.load_prompts(args.prompts)
         if args.num_prompts is not None:
             prompts = prompts[: args.num_prompts]
         rows = D.distill(
