@@ -446,7 +446,8 @@ def test_training_on_synthesized_prompts_distills_them(
     target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``synthesize_prompts``: OUT/prompts.jsonl from the target, the shipped eval prompts
-    excluded, then those prompts answered and trained on; refused with ``prompts``."""
+    excluded, then those prompts answered and trained on; refused with ``prompts`` or
+    ``responses``."""
     calls = []
 
     def fake(target_path: str, num: int, out: Path, **kw: object) -> list[str]:
@@ -465,8 +466,9 @@ def test_training_on_synthesized_prompts_distills_them(
     for bad in (0, -2, True, 1.5):
         with pytest.raises(ValueError, match="synthesize_prompts"):
             _args("mtp", out, target, synthesize_prompts=bad)
-    with pytest.raises(ValueError, match="not both"):
-        _args("mtp", out, target, synthesize_prompts=2, prompts="p.jsonl")
+    for other in ({"prompts": "p.jsonl"}, {"responses": "r.jsonl"}):
+        with pytest.raises(ValueError, match="not both"):
+            _args("mtp", out, target, synthesize_prompts=2, **other)
 
 
 @pytest.mark.parametrize(

@@ -97,8 +97,11 @@ class TrainArgs:
         n = self.synthesize_prompts
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"synthesize_prompts={n!r} is invalid: must be an integer >= 1")
-        if n is not None and self.prompts:
-            raise ValueError("give prompts or synthesize_prompts, not both")
+        if n is not None and (self.prompts or self.responses):
+            raise ValueError(
+                "synthesize_prompts writes the prompts to answer: give it without prompts or "
+                "responses (reused answers), not both"
+            )
         t = self.distill_temperature
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2:
             raise ValueError(f"distill_temperature={t!r} is invalid: must be in [0, 2]")
