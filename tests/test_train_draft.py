@@ -266,6 +266,54 @@ def test_eagle3_input_scale_folds_into_fc(target: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)  # bf16 weights on disk
 
 
+def test_new_vocab_carries_the_shared_lm_head_rows(
+    target: Path, trained: dict[str, Path], tmp_path: Path
+) -> None:
+    """``new_vocab``: a saved Eagle3 head under another draft vocabulary keeps its rows for the
+    tokens both hold, new tokens start from the target's rows, the rest of the head loads as
+    saved; a run with it trains and writes the re-chosen vocabulary."""
+    from safetensors.torch import load_file
+
+    from engine.training.eagle3 import Eagle3Head, head_vocab_ids
+    from models.loader import load_model
+
+    folder = trained["eagle3"]
+    saved = load_file(str(folder / "model.safetensors"))
+    old = head_vocab_ids(folder)
+    model = load_model(str(target), dtype=torch.float32)
+    new = torch.cat([old[::2], torch.arange(200, 320)]).unique()  # drops half, adds others
+    shared = new[torch.isin(new, old)]
+    fresh = new[~torch.isin(new, old)]
+    assert len(shared) >= 50 and len(fresh) >= 50
+    head = Eagle3Head(model, new, (1, 2, 3))
+    with pytest.raises(ValueError, match="differs"):
+        head.load_head(folder)
+    head.load_head(folder, new_vocab=True)
+    w = head.draft.lm_head.weight.detach()
+    rows = {int(t): i for i, t in enumerate(old)}
+    want = saved["lm_head.weight"][[rows[int(t)] for t in shared]].float()
+    torch.testing.assert_close(w[head.t2d_index[shared]], want, rtol=0, atol=0)
+    torch.testing.assert_close(w[head.t2d_index[fresh]], model.lm_head.weight[fresh].detach())
+    for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "norm.weight"):
+        assert name in saved
+    torch.testing.assert_close(head.draft.norm.weight.detach(), saved["norm.weight"].float())
+    assert torch.equal(head.draft.to_target_ids(torch.arange(len(new))), new)
+
+    responses = str(folder / "responses.jsonl")
+    for method, init_from in (("mtp", str(folder)), ("eagle3", None)):
+        with pytest.raises(ValueError, match="new_vocab"):
+            _args(method, tmp_path / "bad", target, init_from=init_from, new_vocab=True)
+    out = tmp_path / "revocab"
+    kw = dict(responses=responses, init_from=str(folder), new_vocab=True, draft_vocab_size=300)
+    train_draft(_args("eagle3", out, target, max_steps=2, **kw))
+    counts = D.token_counts(D.response_sequences(D.read_responses(responses), 1024), 320)
+    chosen = head_vocab_ids(out)
+    assert len(chosen) == len(set(chosen.tolist())) >= 300
+    top = counts.argsort(descending=True)[:250]  # clear of ties at the cut
+    assert set(top[counts[top] > 0].tolist()) <= set(chosen.tolist())
+    assert not torch.equal(chosen, old)
+
+
 def test_resume_continues_the_same_run(target: Path, trained: dict[str, Path], tmp_path: Path):
     responses = trained["eagle3"] / "responses.jsonl"
     whole = train_draft(
@@ -445,9 +493,9 @@ def test_synthesized_prompts_are_the_targets_own_and_resume(tmp_path: Path) -> N
 def test_training_on_synthesized_prompts_distills_them(
     target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``synthesize_prompts``: OUT/prompts.jsonl from the target, the shipped eval prompts
-    excluded, then those prompts answered and trained on; refused with ``prompts`` or
-    ``responses``."""
+    """``synthesize_prompts``: OUT/prompts.jsonl from the target, the eval prompts (the shipped
+    set, or the run's own) excluded, then those prompts answered and trained on; refused with
+    ``prompts`` or ``responses``, and without distillation."""
     calls = []
 
     def fake(target_path: str, num: int, out: Path, **kw: object) -> list[str]:
@@ -469,6 +517,22 @@ def test_training_on_synthesized_prompts_distills_them(
     for other in ({"prompts": "p.jsonl"}, {"responses": "r.jsonl"}):
         with pytest.raises(ValueError, match="not both"):
             _args("mtp", out, target, synthesize_prompts=2, **other)
+    with pytest.raises(ValueError, match="distill=True"):
+        _args("mtp", out, target, synthesize_prompts=2, distill=False, text_files=("t.txt",))
+    # A run's own eval prompts are the ones held out.
+    held = tmp_path / "eval.jsonl"
+    held.write_text(json.dumps({"prompt": "A held-out question?"}) + "\n")
+    train_draft(
+        _args(
+            "mtp",
+            tmp_path / "h2",
+            target,
+            synthesize_prompts=2,
+            max_steps=1,
+            eval_prompts=str(held),
+        )
+    )
+    assert calls[-1][3]["exclude"] == ["A held-out question?"]
 
 
 @pytest.mark.parametrize(

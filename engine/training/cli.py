@@ -44,8 +44,8 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="the target writes N user prompts of its own (OUT/prompts.jsonl; the shipped eval "
-        "prompts excluded) and answers them",
+        help="the target writes N user prompts of its own (OUT/prompts.jsonl; the eval prompts "
+        "excluded) and answers them",
     )
     d.add_argument("--max-response-tokens", type=int, default=320)
     d.add_argument(
@@ -97,6 +97,12 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--feature-cache", default=None, metavar="DIR", help="reuse target features")
     r.add_argument(
         "--init-from", default=None, metavar="DIR", help="start from a trained head (fine-tune)"
+    )
+    r.add_argument(
+        "--new-vocab",
+        action="store_true",
+        help="Eagle3 with --init-from: choose the draft vocabulary from this run's data "
+        "(--draft-vocab-size tokens); LM-head rows of tokens in both carry over",
     )
     r.add_argument("--save-every", type=int, default=50)
     r.add_argument("--time-limit", type=float, default=None, metavar="SECONDS")
@@ -151,6 +157,7 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
         prompts=ns.prompts,
         num_prompts=ns.num_prompts,
         synthesize_prompts=ns.synthesize_prompts,
+        eval_prompts=ns.eval_prompts,
         text_files=tuple(ns.text_file),
         distill=not ns.no_distill,
         max_response_tokens=ns.max_response_tokens,
@@ -169,6 +176,7 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
         max_loss_rows=ns.max_loss_rows,
         feature_cache=ns.feature_cache,
         init_from=ns.init_from,
+        new_vocab=ns.new_vocab,
         init=ns.init,
         save_every=ns.save_every,
         time_limit_s=ns.time_limit,

@@ -3,7 +3,9 @@ draft vocabulary (``d2t``/``t2d``), written in the public Eagle3 checkpoint layo
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ from engine.training.export import init_linear_, save_head, unfused_state
 from engine.training.features import Features
 from models.eagle3 import Eagle3Draft
 from models.parallel import ParallelMapping
+
+logger = logging.getLogger(__name__)
 
 INIT_MODES = ("head", "scratch")
 
@@ -167,13 +171,40 @@ class Eagle3Head:
         tensors["t2d"] = t2d
         save_head(folder, tensors, self.config)
 
-    def load_head(self, folder: str | os.PathLike) -> None:
-        """Start from a saved head's weights (its draft vocabulary must be this one's)."""
+    def load_head(self, folder: str | os.PathLike, new_vocab: bool = False) -> None:
+        """Start from a saved head's weights. Its draft vocabulary must be this one's, unless
+        ``new_vocab``: then the LM-head rows of the tokens both vocabularies hold carry over and
+        the others keep their start (the target's rows, see ``_init``)."""
         from models.loader import iterate_checkpoint, safetensors_files
 
-        if not torch.equal(head_vocab_ids(folder), self.vocab_ids):
+        old_ids = head_vocab_ids(folder)
+        same = torch.equal(old_ids, self.vocab_ids)
+        if not same and not new_vocab:
             raise ValueError(f"{folder}: its draft vocabulary differs from this run's")
-        loaded = self.draft.load_weights(iterate_checkpoint(safetensors_files(folder)))
+        carried: dict[str, torch.Tensor] = {}
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in iterate_checkpoint(safetensors_files(folder)):
+                if not same and name in ("lm_head.weight", "d2t"):
+                    carried[name] = tensor
+                else:
+                    yield name, tensor
+
+        loaded = self.draft.load_weights(weights())
+        if not same and "lm_head.weight" in carried:
+            pos = self.t2d_index[old_ids]  # each old row's index here (-1: dropped)
+            keep = pos >= 0
+            with torch.no_grad():
+                w = self.draft.lm_head.weight
+                w[pos[keep]] = carried["lm_head.weight"][keep].to(w.dtype)
+            loaded |= set(carried)
+            logger.info(
+                "draft vocabulary: %d tokens carried over from %s, %d new, %d dropped",
+                int(keep.sum()),
+                folder,
+                len(self.vocab_ids) - int(keep.sum()),
+                int((~keep).sum()),
+            )
         self.input_scale = torch.ones_like(self.input_scale)  # saved heads hold the folded fc
         missing = self.draft.expected_weights() - loaded
         if missing:

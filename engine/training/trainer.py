@@ -48,6 +48,7 @@ class TrainArgs:
     num_prompts: int | None = None
     # The target writes this many user prompts of its own (OUT/prompts.jsonl) to self-distill.
     synthesize_prompts: int | None = None
+    eval_prompts: str | None = None  # held out of synthesis (default: the shipped eval set)
     text_files: tuple[str, ...] = ()
     distill: bool = True
     max_response_tokens: int = 320
@@ -70,6 +71,8 @@ class TrainArgs:
     max_loss_rows: int = 1024
     feature_cache: str | None = None
     init_from: str | None = None  # start from a trained head of the same method (fine-tune)
+    # Eagle3 with init_from: choose the draft vocabulary from this run's data (rows carry over).
+    new_vocab: bool = False
     init: str = "head"  # a new head's start: "head" (the target's LM head rows) or "scratch"
     save_every: int = 50
     log_every: int = 10
@@ -97,10 +100,17 @@ class TrainArgs:
         n = self.synthesize_prompts
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"synthesize_prompts={n!r} is invalid: must be an integer >= 1")
+        if n is not None and not self.distill:
+            raise ValueError("synthesize_prompts answers its prompts: it needs distill=True")
         if n is not None and (self.prompts or self.responses):
             raise ValueError(
                 "synthesize_prompts writes the prompts to answer: give it without prompts or "
                 "responses (reused answers), not both"
+            )
+        if self.new_vocab and (self.method != "eagle3" or not self.init_from):
+            raise ValueError(
+                "new_vocab re-chooses an Eagle3 head's draft vocabulary: give it with "
+                "method='eagle3' and init_from"
             )
         t = self.distill_temperature
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= 2:
@@ -155,7 +165,7 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
                 target_path,
                 args.synthesize_prompts,
                 Path(args.out) / "prompts.jsonl",
-                exclude=D.load_prompts(name="eval"),
+                exclude=D.load_prompts(args.eval_prompts, name="eval"),
                 seed=args.seed,
                 device=args.device,
             )
@@ -205,7 +215,7 @@ def _make_head(args: TrainArgs, target: Any, target_path: str, seqs: list, saved
     capture = tuple(saved.get("capture_layers") or _capture_layers(args, target))
     if "vocab_ids" in saved:
         vocab_ids = saved["vocab_ids"]
-    elif args.init_from:
+    elif args.init_from and not args.new_vocab:
         from engine.training.eagle3 import head_vocab_ids
 
         vocab_ids = head_vocab_ids(args.init_from)
@@ -278,7 +288,10 @@ def train_draft(args: TrainArgs) -> TrainResult:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     step = 0
     if args.init_from and not saved:
-        head.load_head(args.init_from)
+        if args.new_vocab:
+            head.load_head(args.init_from, new_vocab=True)
+        else:
+            head.load_head(args.init_from)
     elif saved and "input_scale" in saved:
         head.input_scale = saved["input_scale"]
     elif hasattr(head, "set_input_scale"):  # a new Eagle3 head: from the first batch
