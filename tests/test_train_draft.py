@@ -535,12 +535,15 @@ def test_training_on_synthesized_prompts_distills_them(
     assert calls[-1][3]["exclude"] == ["A held-out question?"]
 
 
+SYNTHESIZED = {"builtin_synthesized_answers": 2650, "builtin_synthesized_answers_2": 3000}
+
+
 @pytest.mark.parametrize(
     ("name", "temperature", "limit"),
     [
         ("builtin_answers", None, 320),
         ("builtin_sampled_answers", 0.8, 256),
-        ("builtin_synthesized_answers", None, 256),
+        *((name, None, 256) for name in SYNTHESIZED),
     ],
 )
 def test_shipped_answers_are_the_train_prompts_through_the_chat_template(
@@ -548,18 +551,23 @@ def test_shipped_answers_are_the_train_prompts_through_the_chat_template(
 ) -> None:
     """The built-in model's distilled answers (the heads' training data: greedy, and sampled at
     0.8) answer the shipped train prompts in order, each prompt through the chat template; the
-    synthesized set answers 2650 distinct prompts the model wrote, none of them an eval
-    prompt."""
+    synthesized sets answer distinct prompts the model wrote, none of them an eval prompt, a
+    train prompt or one of the other synthesized set."""
     from transformers import AutoTokenizer
 
     from models.builtin import builtin_model_path
 
-    rows = D.read_responses(D.shipped_prompts_path("train").parent / f"{name}.jsonl.gz")
+    def rows_of(name: str) -> list[dict]:
+        return D.read_responses(D.shipped_prompts_path("train").parent / f"{name}.jsonl.gz")
+
+    rows = rows_of(name)
     prompts = [r["prompt"] for r in rows]
-    if "synthesized" in name:
+    if name in SYNTHESIZED:
         keys = {D.prompt_key(p) for p in prompts}
-        assert len(keys) == len(rows) == 2650
-        assert not keys & {D.prompt_key(p) for p in D.load_prompts(name="eval")}
+        assert len(keys) == len(rows) == SYNTHESIZED[name]
+        held = D.load_prompts(name="eval") + D.load_prompts(name="train")
+        others = [r["prompt"] for n in SYNTHESIZED if n != name for r in rows_of(n)]
+        assert not keys & {D.prompt_key(p) for p in held + others}
     else:
         assert prompts == D.load_prompts(name="train")
     assert {r.get("temperature") for r in rows} == {temperature}
