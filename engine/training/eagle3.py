@@ -181,23 +181,25 @@ class Eagle3Head:
         same = torch.equal(old_ids, self.vocab_ids)
         if not same and not new_vocab:
             raise ValueError(f"{folder}: its draft vocabulary differs from this run's")
-        carried: dict[str, torch.Tensor] = {}
+        old_rows: list[torch.Tensor] = []
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            """The saved tensors; under a new vocabulary its LM head is set aside (below) and
+            its ``d2t`` skipped (this head's own)."""
             for name, tensor in iterate_checkpoint(safetensors_files(folder)):
-                if not same and name in ("lm_head.weight", "d2t"):
-                    carried[name] = tensor
-                else:
+                if same or name not in ("lm_head.weight", "d2t"):
                     yield name, tensor
+                elif name == "lm_head.weight":
+                    old_rows.append(tensor)
 
         loaded = self.draft.load_weights(weights())
-        if not same and "lm_head.weight" in carried:
+        if old_rows:
             pos = self.t2d_index[old_ids]  # each old row's index here (-1: dropped)
             keep = pos >= 0
             with torch.no_grad():
                 w = self.draft.lm_head.weight
-                w[pos[keep]] = carried["lm_head.weight"][keep].to(w.dtype)
-            loaded |= set(carried)
+                w[pos[keep]] = old_rows[0][keep].to(w.dtype)
+            loaded |= {"lm_head.weight", "d2t"}
             logger.info(
                 "draft vocabulary: %d tokens carried over from %s, %d new, %d dropped",
                 int(keep.sum()),
