@@ -239,8 +239,10 @@ def synthesize_prompts(
     with LLM(str(target), max_num_seqs=chunk, **engine_args) as llm, open(out, "a") as f:
         prefix, stop = user_turn_prefix(llm.tokenizer)
         bar = tqdm(total=num, initial=len(prompts), desc="prompt synthesis", unit="prompt")
+        tried = kept = 0  # this run's attempts and kept prompts: the last chunk asks for fewer
         while len(prompts) < num and attempt < 4 * num:
-            n = min(chunk, 4 * num - attempt)
+            need = num - len(prompts)
+            n = min(chunk, 4 * num - attempt, max(need, -(-need * tried // max(kept, 1))))
             params = [
                 SamplingParams(
                     temperature=temperature,
@@ -261,7 +263,9 @@ def synthesize_prompts(
                     prompts.append(text)
                     f.write(json.dumps({"prompt": text, "attempt": attempt + j}) + "\n")
                     bar.update(1)
+                    kept += 1
             attempt += n
+            tried += n
             f.flush()
         bar.close()
     if len(prompts) < num:

@@ -68,6 +68,15 @@ def head_vocab_ids(folder: str | os.PathLike) -> torch.Tensor:
     return d2t + torch.arange(d2t.numel())
 
 
+def fit_linear_map(a: torch.Tensor, b: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
+    """[H_a, H_b]: the ``m`` minimising ``|a @ m - b|^2 + ridge * mean(diag(a^T a)) * |m|^2``
+    for rows ``a`` [n, H_a] and ``b`` [n, H_b] (float64 normal equations)."""
+    a64, b64 = a.double(), b.double()
+    gram = a64.T @ a64
+    gram.diagonal().add_(ridge * float(gram.diagonal().mean()))
+    return torch.linalg.solve(gram, a64.T @ b64).to(a.dtype)
+
+
 class Eagle3Head:
     """The trainable Eagle3 draft bound to a frozen target."""
 
@@ -173,8 +182,11 @@ class Eagle3Head:
 
     def load_head(self, folder: str | os.PathLike, new_vocab: bool = False) -> None:
         """Start from a saved head's weights. Its draft vocabulary must be this one's, unless
-        ``new_vocab``: then the LM-head rows of the tokens both vocabularies hold carry over and
-        the others keep their start (the target's rows, see ``_init``)."""
+        ``new_vocab``: then the LM-head rows of the tokens both vocabularies hold carry over, and
+        each new token's row is the target's row through the linear map that best takes the
+        target's rows of the carried tokens to their saved rows (least squares): the saved
+        head's final norm and output geometry have moved away from the target's, so the
+        target's own rows would start the new tokens off scale."""
         from models.loader import iterate_checkpoint, safetensors_files
 
         old_ids = head_vocab_ids(folder)
@@ -198,7 +210,13 @@ class Eagle3Head:
             keep = pos >= 0
             with torch.no_grad():
                 w = self.draft.lm_head.weight
-                w[pos[keep]] = old_rows[0][keep].to(w.dtype)
+                carried = old_rows[0][keep].float()
+                w[pos[keep]] = carried.to(w.dtype)
+                fresh = torch.ones(len(self.vocab_ids), dtype=torch.bool)
+                fresh[pos[keep]] = False
+                if fresh.any() and len(carried):
+                    src = self.target.lm_head.weight[self.vocab_ids].float()
+                    w[fresh] = (src[fresh] @ fit_linear_map(src[pos[keep]], carried)).to(w.dtype)
             loaded |= {"lm_head.weight", "d2t"}
             logger.info(
                 "draft vocabulary: %d tokens carried over from %s, %d new, %d dropped",
