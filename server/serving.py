@@ -143,7 +143,10 @@ def usage(
 
 
 def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One server-sent event. Non-ASCII text is escaped: a raw U+2028, U+0085 or the like inside
+    the JSON is a line break to clients that split lines with ``str.splitlines`` (httpx's
+    ``aiter_lines`` among them), which would cut the event in two."""
+    payload = data if isinstance(data, str) else json.dumps(data)
     return f"data: {payload}\n\n"
 
 

@@ -285,3 +285,18 @@ def test_cli_api_key_from_env(monkeypatch, tmp_path):
 
 def test_size_parser():
     assert _size("2GiB") == 2 << 30 and _size("512m") == 512 << 20 and _size("1000") == 1000
+
+
+def test_sse_events_survive_any_line_splitter() -> None:
+    """Generated text may hold U+2028, U+0085 or other characters that ``str.splitlines`` (and
+    httpx's ``aiter_lines``) break lines at: the event stays one line and decodes back."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    from server.serving import sse
+
+    chunk = {"choices": [{"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é 日本"}]}
+    lines = [x for x in LineDecoder().decode(sse(chunk)) if x]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][len("data: ") :]) == chunk
