@@ -210,13 +210,15 @@ class Eagle3Head:
             keep = pos >= 0
             with torch.no_grad():
                 w = self.draft.lm_head.weight
-                carried = old_rows[0][keep].float()
-                w[pos[keep]] = carried.to(w.dtype)
-                fresh = torch.ones(len(self.vocab_ids), dtype=torch.bool)
-                fresh[pos[keep]] = False
+                here = pos[keep].to(w.device)
+                carried = old_rows[0][keep].to(w.device, torch.float32)
+                w[here] = carried.to(w.dtype)
+                fresh = torch.ones(len(self.vocab_ids), dtype=torch.bool, device=w.device)
+                fresh[here] = False
                 if fresh.any() and len(carried):
-                    src = self.target.lm_head.weight[self.vocab_ids].float()
-                    w[fresh] = (src[fresh] @ fit_linear_map(src[pos[keep]], carried)).to(w.dtype)
+                    rows = self.target.lm_head.weight
+                    src = rows[self.vocab_ids.to(rows.device)].to(w.device, torch.float32)
+                    w[fresh] = (src[fresh] @ fit_linear_map(src[here], carried)).to(w.dtype)
             loaded |= {"lm_head.weight", "d2t"}
             logger.info(
                 "draft vocabulary: %d tokens carried over from %s, %d new, %d dropped",
