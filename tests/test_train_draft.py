@@ -341,6 +341,13 @@ def test_resume_continues_the_same_run(target: Path, trained: dict[str, Path], t
     b = torch.load(tmp_path / "part" / STATE_FILE, weights_only=False)["draft"]
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    # --max-steps on resume moves the schedule's end; not to a step the run has passed.
+    part.max_steps = 6
+    with pytest.raises(ValueError, match="at step 8 already"):
+        train_draft(part)
+    part.max_steps = 11
+    assert train_draft(part).steps == 11
+    assert torch.load(tmp_path / "part" / STATE_FILE, weights_only=False)["total_steps"] == 11
 
 
 def test_feature_cache_is_per_sequence_and_survives_more_data(

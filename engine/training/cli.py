@@ -63,7 +63,12 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
     d.add_argument("--max-seq-len", type=int, default=1024)
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="with --resume: a new end for the run's schedule (default: the run's own)",
+    )
     t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup-steps", type=int, default=20)

@@ -4,7 +4,8 @@ Per step: one batch of sequences → target features (one ``inference_mode`` for
 feature cache) → the draft unrolled ``ttt_steps`` times as the engine's draft loop runs it →
 the summed per-step losses (weighted ``step_decay ** j``) → one AdamW step. Checkpoints
 (``training_state.pt``) and the exported head are written every ``save_every`` steps and at
-the end; ``resume=True`` continues from the last checkpoint with the same data and schedule.
+the end; ``resume=True`` continues from the last checkpoint with the same data and schedule
+(a different ``max_steps`` moves the schedule's end: the cosine goes on from the current step).
 """
 
 from __future__ import annotations
@@ -301,6 +302,12 @@ def train_draft(args: TrainArgs) -> TrainResult:
         opt.load_state_dict(saved["optimizer"])
         step = int(saved["step"])
         total = int(saved["total_steps"])
+        if args.max_steps is not None and args.max_steps != total:  # a new schedule end
+            if args.max_steps <= step:
+                raise ValueError(
+                    f"--resume --max-steps {args.max_steps}: the run is at step {step} already"
+                )
+            total = args.max_steps
     num_tokens = sum(len(s.tokens) for s in seqs)
     logger.info(
         "training %s head: %d sequences (%d tokens), %d batches, %d steps",
