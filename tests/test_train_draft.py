@@ -564,7 +564,11 @@ def test_training_on_synthesized_prompts_distills_them(
     assert calls[-1][3]["exclude"] == ["A held-out question?"]
 
 
-SYNTHESIZED = {"builtin_synthesized_answers": 2650, "builtin_synthesized_answers_2": 3000}
+SYNTHESIZED = {
+    "builtin_synthesized_answers": 2650,
+    "builtin_synthesized_answers_2": 3000,
+    "builtin_synthesized_answers_3": 3000,
+}
 
 
 @pytest.mark.parametrize(
