@@ -67,7 +67,7 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-steps",
         type=int,
         default=None,
-        help="with --resume: a new end for the run's schedule (default: the run's own)",
+        help="steps in all (instead of --epochs); with --resume, a new end for the run's schedule",
     )
     t.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     t.add_argument("--lr", type=float, default=1e-3)
