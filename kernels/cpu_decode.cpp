@@ -656,6 +656,86 @@ struct KeySlots {
   }
 };
 
+// The keys one attention task reads: keys j < L of kv heads kv0 .. kv0 + kv_heads at cache
+// slots slot[j]; the task's heads are per_kv per kv head, each a [width] row of q / acc.
+struct KeyRange {
+  const int64_t* slot;
+  int64_t L, Hkv, kv0, kv_heads, D, per_kv, width;
+  // Key j's kv head kv in `cache`, bringing in the same a few keys ahead.
+  template <typename T>
+  inline const T* at(const T* cache, int64_t j, int64_t kv) const {
+    constexpr int64_t PREFETCH_KEYS = 4;
+    if (j + PREFETCH_KEYS < L) {
+      const char* r =
+          reinterpret_cast<const char*>(cache + (slot[j + PREFETCH_KEYS] * Hkv + kv0 + kv) * D);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+        _mm_prefetch(r + b, _MM_HINT_T0);
+      }
+    }
+    return cache + (slot[j] * Hkv + kv0 + kv) * D;
+  }
+};
+
+// A head's 16-lane chunks known at compile time (1 .. 8: head_dim <= 128), else (0) read at
+// run time (up to MAX_CHUNKS): the chunk loops unroll and a head's dot product or value sum
+// stays in registers.
+constexpr int64_t MAX_CHUNKS = 16;
+template <int C>
+using Chunks = std::integral_constant<int, C>;
+template <typename F>
+inline void with_chunks(int64_t chunks, F&& f) {
+  switch (chunks) {
+    case 1: return f(Chunks<1>{});
+    case 2: return f(Chunks<2>{});
+    case 3: return f(Chunks<3>{});
+    case 4: return f(Chunks<4>{});
+    case 5: return f(Chunks<5>{});
+    case 6: return f(Chunks<6>{});
+    case 7: return f(Chunks<7>{});
+    case 8: return f(Chunks<8>{});
+    default: return f(Chunks<0>{});
+  }
+}
+
+// scores[g * L + j] = (q_g . k_j) * scale for the task's heads g: each dot product sums its
+// chunks in order, then across lanes (the same arithmetic for any task shape).
+template <typename T, int C>
+void score_keys(const float* q, const T* k_cache, const KeyRange& r, float scale, float* scores) {
+  const int64_t nc = C > 0 ? C : ceil_div(r.D, LANES);
+  for (int64_t j = 0; j < r.L; ++j) {
+    for (int64_t kv = 0; kv < r.kv_heads; ++kv) {
+      const T* k = r.at(k_cache, j, kv);
+      V kc[C > 0 ? C : MAX_CHUNKS];
+      for (int64_t c = 0; c < nc; ++c) kc[c] = vld(k + c * LANES, first(r.D - c * LANES));
+      for (int64_t g = kv * r.per_kv; g < (kv + 1) * r.per_kv; ++g) {
+        const float* qg = q + g * r.width;
+        V dot = vzero();
+        for (int64_t c = 0; c < nc; ++c) dot = vfmadd(vldu(qg + c * LANES), kc[c], dot);
+        scores[g * r.L + j] = vhsum(dot) * scale;
+      }
+    }
+  }
+}
+
+// acc[g] = sum_j p[g * L + j] v_j for the task's `heads` heads, keys in order.
+template <typename T, int C>
+void sum_values(const float* p, const T* v_cache, const KeyRange& r, int64_t heads, float* acc) {
+  const int64_t nc = C > 0 ? C : ceil_div(r.D, LANES);
+  for (int64_t g = 0; g < heads; ++g) {
+    const int64_t kv = g / r.per_kv;
+    V a[C > 0 ? C : MAX_CHUNKS];
+    for (int64_t c = 0; c < nc; ++c) a[c] = vzero();
+    for (int64_t j = 0; j < r.L; ++j) {
+      const T* v = r.at(v_cache, j, kv);
+      const V pe = vset(p[g * r.L + j]);
+      for (int64_t c = 0; c < nc; ++c) {
+        a[c] = vfmadd(pe, vld(v + c * LANES, first(r.D - c * LANES)), a[c]);
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c) vstu(acc + g * r.width + c * LANES, a[c]);
+  }
+}
+
 // out[m, h, :] = softmax(q k^T * scale) v over the row's keys; query head h reads kv head
 // h / (H / Hkv). fp32 scores and accumulation; probabilities rounded to T before the value sum
 // (as the CPU flash-attention kernel does for reduced precision).
@@ -668,9 +748,10 @@ template <typename T>
 void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_cache, T* out,
                const Paged& p, const KeySlots& ks, int64_t M, int64_t H, int64_t Hkv, int64_t D,
                float scale) {
-  constexpr int64_t MAX_HEADS = 64, PREFETCH_KEYS = 4, KEY_CHUNK = 512;
+  constexpr int64_t MAX_HEADS = 64, KEY_CHUNK = 512;
   const int64_t group = H / Hkv, threads = at::get_num_threads();
   const int64_t chunks = ceil_div(D, LANES), width = chunks * LANES;
+  TORCH_CHECK(chunks <= MAX_CHUNKS, "head_dim ", D, " is over ", MAX_CHUNKS * LANES);
   // Pieces: (row, first key, end key); the partial results of multi-piece rows go to `part`.
   struct Piece {
     int64_t m, j0, j1, part;  // part: index of its partials, -1 if it is the row's only piece
@@ -713,31 +794,11 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
           vstu(&q[g * width + c * LANES], vld(qr + c * LANES, first(D - c * LANES)));
         }
       }
-      // Key j's kv heads kv0 .. kv1 in `cache`, and the same a few keys ahead brought in.
-      const int64_t bytes = (kv1 - kv0) * D * static_cast<int64_t>(sizeof(T));
-      auto key = [&](const T* cache, int64_t j) {
-        if (j + PREFETCH_KEYS < L) {
-          const char* r =
-              reinterpret_cast<const char*>(cache + (slot[j + PREFETCH_KEYS] * Hkv + kv0) * D);
-          for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
-        }
-        return cache + (slot[j] * Hkv + kv0) * D;
-      };
+      const KeyRange keys{slot, L, Hkv, kv0, kv1 - kv0, D, per_kv, width};
       scores.resize(hpt * L);
-      for (int64_t j = 0; j < L; ++j) {
-        const T* k = key(k_cache, j);
-        V dot[MAX_HEADS];
-        for (int64_t g = 0; g < hpt; ++g) dot[g] = vzero();
-        for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
-          for (int64_t c = 0; c < chunks; ++c) {
-            const V kc = vld(k + kv * D + c * LANES, first(D - c * LANES));
-            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
-              dot[g] = vfmadd(vldu(&q[g * width + c * LANES]), kc, dot[g]);
-            }
-          }
-        }
-        for (int64_t g = 0; g < hpt; ++g) scores[g * L + j] = vhsum(dot[g]) * scale;
-      }
+      with_chunks(chunks, [&](auto c) {
+        score_keys<T, decltype(c)::value>(q.data(), k_cache, keys, scale, scores.data());
+      });
       float sum[MAX_HEADS], top_of[MAX_HEADS];
       for (int64_t g = 0; g < hpt; ++g) {  // probabilities, unnormalised, rounded to T
         float* sg = scores.data() + g * L;
@@ -758,20 +819,9 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
         }
         sum[g] = vhsum(total);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < L; ++j) {
-        const T* v = key(v_cache, j);
-        for (int64_t kv = 0; kv < kv1 - kv0; ++kv) {
-          for (int64_t c = 0; c < chunks; ++c) {
-            const V vc = vld(v + kv * D + c * LANES, first(D - c * LANES));
-            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
-              float* a = &acc[g * width + c * LANES];
-              const V pe = vset(scores[g * L + j]);
-              vstu(a, vfmadd(pe, vc, vldu(a)));
-            }
-          }
-        }
-      }
+      with_chunks(chunks, [&](auto c) {
+        sum_values<T, decltype(c)::value>(scores.data(), v_cache, keys, hpt, acc.data());
+      });
       for (int64_t g = 0; g < hpt; ++g) {
         if (pc.part >= 0) {  // one piece of several: keep the partials
           const int64_t i = pc.part * H + h0 + g;

@@ -31,6 +31,7 @@ MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 v
 # fp32 on AVX2 (2-core EPYC, built-in model prefill): eager's sgemm wins past ~32 rows (60 rows:
 # fast 212 vs eager 148 ms; 32: 111 vs 115; 16: 55 vs 90). bf16 there: 60 rows 119 vs 675 ms.
 AVX2_FP32_MAX_ROWS = 32
+MAX_HEAD_DIM = 256  # the attention's 16-lane chunks per head (MAX_CHUNKS in the source)
 # The instruction sets it builds for, best first, with the /proc/cpuinfo flags each needs.
 ISA_FLAGS = {
     "avx512_bf16": ("avx512f", "avx512bw", "avx512_bf16"),

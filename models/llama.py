@@ -181,8 +181,8 @@ def fast_layer_unsupported(
     attn: nn.Module, mlp: nn.Module, weights: tuple[torch.Tensor, ...]
 ) -> str | None:
     """Why a layer's attention and MLP cannot run in ``kernels/cpu_decode`` (None: they can):
-    plain Llama modules, one rank, full neox rotary, no q/k norms or biases, ``weights`` on the
-    CPU in one supported dtype."""
+    plain Llama modules, one rank, full neox rotary, head_dim <= ``MAX_HEAD_DIM``, no q/k norms
+    or biases, ``weights`` on the CPU in one supported dtype."""
     if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
         return "not a plain Llama decoder stack"
     if mlp.mapping.tp_size != 1 or mlp.mapping.uses_adp_collectives:
@@ -192,6 +192,8 @@ def fast_layer_unsupported(
         return "a rotary variant other than neox"
     if rope.rotary_dim != attn.head_dim or attn.head_dim % 2:
         return "partial rotary"
+    if attn.head_dim > cpu_decode.MAX_HEAD_DIM:
+        return f"head_dim {attn.head_dim} over {cpu_decode.MAX_HEAD_DIM}"
     if attn.q_norm is not None or attn.qkv_proj.bias is not None or attn.o_proj.bias is not None:
         return "q/k norms or projection biases"
     dtype = weights[0].dtype

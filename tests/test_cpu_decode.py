@@ -230,6 +230,15 @@ def test_large_steps_and_unsupported_models_use_the_eager_path(
         assert model.fast_path is None
         assert CpuStackFastPath.unsupported(model) == "q/k norms or projection biases"
 
+    # Heads wider than the attention's register chunks: eager, and it still generates.
+    wide = build_llama(tmp_path / "wide", **{**TINY, "layers": 1}, head_dim=272)
+    with LLM(str(wide), dtype="float32") as llm:
+        model = inner_model(llm)
+        assert model.fast_path is None
+        assert CpuStackFastPath.unsupported(model) == "head_dim 272 over 256"
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
+        assert len(out[0].outputs[0].token_ids) == 3
+
     monkeypatch.setenv(cpu_decode.ENV_VAR, "0")
     with LLM(str(tiny), dtype="float32") as llm:
         assert inner_model(llm).fast_path is None
