@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels import cpu_decode
+
 # Temperatures below this are treated as greedy (division would overflow anyway).
 GREEDY_EPS = 1e-5
 
@@ -306,10 +308,12 @@ def probs_for_rows(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def sample(logits: Tensor, st: SamplingTensors) -> SamplerOutput:
     """Sample one token per row from logits [B, V] (last position of each sequence)."""
+    if st.all_greedy and st.no_penalties and st.max_num_logprobs == 0:
+        return SamplerOutput(cpu_decode.argmax(logits), None, None, None)  # no float copy
     raw = logits.float()
     penalised = apply_penalties(raw, st)
     if st.all_greedy:
-        token_ids = penalised.argmax(dim=-1)
+        token_ids = cpu_decode.argmax(penalised)
     else:
         probs = _processed_logits(penalised, st).softmax(dim=-1)
         token_ids = random_sample(probs, st.generators)

@@ -1122,6 +1122,68 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t out_features) {
   return y;
 }
 
+// The first index of row x[0 .. n)'s maximum, or of its first NaN (torch.argmax's answer).
+// Blocks of 256 keep their maxima (vector passes); the first block holding the row's maximum is
+// then scanned. Rows with inf or NaN (x - x is NaN) are scanned whole, one value at a time.
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n, std::vector<float>& block_max) {
+  constexpr int64_t BLOCK = 256;
+  const int64_t blocks = ceil_div(n, BLOCK);
+  block_max.resize(blocks);
+  V finite = vzero();
+  float tail_finite = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t end = std::min(n, (b + 1) * BLOCK);
+    V mx = vset(-INFINITY);
+    int64_t i = b * BLOCK;
+    for (; i + LANES <= end; i += LANES) {
+      const V v = vld(x + i, first(LANES));
+      mx = vmax(mx, v);
+      finite = vadd(finite, vsub(v, v));
+    }
+    float m = vhmax(mx);
+    for (; i < end; ++i) {  // the row's last values
+      m = std::max(m, ld(x + i));
+      tail_finite += ld(x + i) - ld(x + i);
+    }
+    block_max[b] = m;
+  }
+  if (!std::isfinite(vhsum(finite) + tail_finite)) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = ld(x + i), top = ld(x + best);
+      if (std::isnan(v)) return i;
+      if (v > top) best = i;
+    }
+    return best;
+  }
+  const float top = *std::max_element(block_max.begin(), block_max.end());
+  const int64_t b = std::find(block_max.begin(), block_max.end(), top) - block_max.begin();
+  for (int64_t i = b * BLOCK;; ++i) {
+    if (ld(x + i) == top) return i;
+  }
+}
+
+// x [B, V] (bfloat16 or float32, rows contiguous) -> int64 [B]: x.argmax(-1).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x [B, V > 0] expected");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+              "dtype must be bfloat16 or float32");
+  if (x.stride(1) != 1) x = x.contiguous();
+  const int64_t B = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({B}, x.options().dtype(torch::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> block_max;
+    for (int64_t b = b0; b < b1; ++b) {
+      o[b] = x.scalar_type() == torch::kBFloat16
+                 ? row_argmax(ptr<uint16_t>(x) + b * stride, n, block_max)
+                 : row_argmax(ptr<float>(x) + b * stride, n, block_max);
+    }
+  });
+  return out;
+}
+
 // exp of each element of a float32 tensor through vexp (the softmax and SiLU exponential), for
 // its accuracy test.
 torch::Tensor exp_lanes(torch::Tensor x) {
@@ -1144,6 +1206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
   m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
+  m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of a [B, V] tensor (CPU)");
   m.def("isa", []() { return std::string(ISA); }, "the instruction set it was built for");
   m.def("exp_lanes", &exp_lanes, "exp through the kernels' vector exp (tests)");
 }

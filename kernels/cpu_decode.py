@@ -233,3 +233,14 @@ def eagle3_layer(
     return _ext_or_raise().eagle3_layer(
         embeds, hidden, pick, *_row_args(rows), weights, *caches, cos_sin, *shape, eps, scale
     )
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (the first maximal index; a row's first NaN wins), through the
+    extension's vector pass for CPU tensors in bfloat16 or float32 once it is loaded (16 rows of
+    49152 bfloat16 logits: 44 us against torch's 1.0 ms after a float copy, 2-core Xeon), else
+    torch's. Greedy sampling and drafting call it every step."""
+    ext = _ext
+    if ext is None or x.device.type != "cpu" or x.dtype not in DTYPES or 0 in (x.dim(), x.numel()):
+        return x.argmax(dim=-1)  # (empty or 0-d: torch's own result or error)
+    return ext.argmax_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])

@@ -350,6 +350,35 @@ def test_linear_matches_f_linear_and_is_batch_invariant(dtype: torch.dtype) -> N
             cpu_decode.linear(x, packed, o)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_torchs_on_ties_infinities_and_nans(dtype: torch.dtype) -> None:
+    """The extension's argmax (greedy sampling and drafting) returns torch.argmax's index:
+    the first of tied maxima, the first NaN of a row with NaNs, rows of -inf or +inf; widths
+    with tails after the 16-lane and 256-value blocks; strided and 3-D inputs."""
+    assert cpu_decode.load_extension() is not None
+    g = torch.Generator().manual_seed(0)
+    for rows, width in [(1, 1), (3, 7), (16, 49152), (4, 12288), (5, 300), (2, 257), (6, 1000)]:
+        for case in range(12):
+            x = torch.randn(rows, width, generator=g)
+            if case % 4 == 1:  # many ties
+                x = (x * 2).round()
+            elif case % 4 == 2:
+                x[0, torch.randint(width, (2,), generator=g)] = float("nan")
+            elif case % 4 == 3:
+                x[-1, torch.randint(width, (2,), generator=g)] = float("inf")
+                x[0] = -float("inf")
+            if case == 4:
+                x = torch.full((rows, width), -3.0)
+            x = x.to(dtype)
+            got = cpu_decode.argmax(x)
+            assert got.dtype == torch.int64
+            assert torch.equal(got, x.argmax(-1)), (rows, width, case)
+    x = torch.randn(3, 4, 301, generator=g).to(dtype)
+    assert torch.equal(cpu_decode.argmax(x), x.argmax(-1))
+    assert torch.equal(cpu_decode.argmax(x[:, 1, :250]), x[:, 1, :250].argmax(-1))
+    assert torch.equal(cpu_decode.argmax(x[:, :, ::2]), x[:, :, ::2].argmax(-1))
+
+
 def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

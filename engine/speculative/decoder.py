@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from engine.sampler import SamplingTensors, probs_for_rows
 from engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
+from kernels import cpu_decode
 from kernels.paged_attention import build_attention_plan
 from kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from models.attention import AttentionMetadata
@@ -97,7 +98,7 @@ class SpecDecoder:
         [B, K + 1])."""
         b, k1 = layout.rows.shape
         if meta.all_greedy:
-            ids = widen_columns(logits.argmax(-1), k1)
+            ids = widen_columns(cpu_decode.argmax(logits), k1)
             return accept_matching(ids, layout.drafts, layout.num_drafts)
         logits = widen_columns(logits, k1)
         v = logits.shape[-1]
@@ -348,7 +349,7 @@ class SpecDecoder:
         """Argmax, or a sample from q when rejection sampling will need q (``noise``: [B, V]
         pre-drawn Exp(1) noise; None draws it here)."""
         if not advanced:
-            return self.draft.to_target_ids(logits.argmax(-1)), None
+            return self.draft.to_target_ids(cpu_decode.argmax(logits)), None
         full = self._to_target_vocab(logits)
         q = probs_for_rows(full, st)
         return _sample_rows(q, st.generators, noise), q
