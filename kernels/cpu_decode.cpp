@@ -486,24 +486,24 @@ inline void rest_tile(int64_t r, const X* x, const Mat& w, T* y, int64_t m, int6
 }
 
 // All M rows for blocks b .. b+W. `next` (may be null): `next_bytes` of weights the caller
-// reads next, prefetched into L2 by the row tiles after the first (by the only one if M is
-// small): the first tile streams this group from memory, the later ones compute from cache
-// while memory fetches the next group.
+// reads next, prefetched into L2 in equal shares by every row tile, so that memory fetches the
+// next group for the whole time this one computes (the first tile streams this group; the
+// later ones read it from cache). At 16 rows (a 12-row tile and a 4-row one), prefetching in
+// the second tile only left the first waiting on memory: 30 layers of SmolLM2-135M products
+// took 17.7 / 19.8 ms, prefetching in both 14.5 / 15.1 (and the LM head 4.1 / 4.4 -> 3.3 ms).
 template <typename X, typename T, int W>
 inline void rows(const X* x, const Mat& w, T* y, int64_t M, int64_t b, const char* next,
                  int64_t next_bytes) {
   const int64_t ksteps = std::is_same_v<T, float> ? w.K : ceil_div(w.K, 2);
   constexpr int R = R_MAX<T>;
   const int64_t tiles = ceil_div(M, R);
-  const int64_t with_pf = tiles > 1 ? tiles - 1 : 1;
-  const int64_t per_tile = next == nullptr ? 0 : ceil_div(next_bytes, with_pf);
+  const int64_t per_tile = next == nullptr ? 0 : ceil_div(next_bytes, tiles);
   const int64_t per_step = ceil_div(ceil_div(per_tile, ksteps), 64) * 64;
   int64_t t = 0;
   auto pf = [&]() {
     Prefetch p;
-    if (next != nullptr && (tiles == 1 || t > 0)) {
-      const int64_t i = tiles == 1 ? 0 : t - 1;
-      if (i * per_tile < next_bytes) p = Prefetch{next + i * per_tile, per_step};
+    if (next != nullptr && t * per_tile < next_bytes) {
+      p = Prefetch{next + t * per_tile, per_step};
     }
     ++t;
     return p;
