@@ -486,7 +486,8 @@ class ModelRunner:
             return self._execute_spec(inp, hidden, captured, scanned, replay, step.propose_drafts)
         if not inp.sampled:
             return StepOutput([], [], [])
-        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
+        # sample() widens to float32 itself where it needs to (not for plain greedy rows).
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
         out = sample(logits, self.sampling_tensors(inp.sampled))
         token_ids = out.token_ids.tolist()  # the step's one host sync
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(token_ids)
