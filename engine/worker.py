@@ -12,7 +12,7 @@ from engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
-from kernels.cpu_decode import max_rows
+from kernels.cpu_decode import MAX_ROWS
 from models.eagle3 import enable_cpu_fast_draft
 from models.layers import pack_cpu_linears, use_cpu_matvec_linears, use_cpu_matvec_lm_heads
 from models.llama import enable_cpu_fast_path
@@ -80,7 +80,7 @@ class Worker:
         if config.device.type == "cpu":
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
-                logger.info("CPU decode fast path on (steps of <= %d rows)", max_rows(mc.dtype))
+                logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
                 if spec is not None:
                     use_cpu_matvec_lm_heads(spec.draft)
                     enable_cpu_fast_draft(spec.draft)

@@ -1,7 +1,7 @@
 """CPU decode fast path: a Llama decoder stack in one C++ call for small batches.
 
 ``cpu_decode.cpp`` runs every layer (norms, fused QKV, rotary, paged KV write, attention over
-the paged cache, MLP) for at most ``max_rows(dtype)`` rows without returning to Python; the eager
+the paged cache, MLP) for at most ``MAX_ROWS`` rows without returning to Python; the eager
 modules of ``models/llama.py`` are its reference and serve every other step. It is built with
 the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
@@ -28,9 +28,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 ENV_VAR = "TANDEM_CPU_FAST_DECODE"
 MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 vs 197 (fp32)
-# fp32 on AVX2 (2-core EPYC, built-in model prefill): eager's sgemm wins past ~32 rows (60 rows:
-# fast 212 vs eager 148 ms; 32: 111 vs 115; 16: 55 vs 90). bf16 there: 60 rows 119 vs 675 ms.
-AVX2_FP32_MAX_ROWS = 32
+# On a 2-core Zen 3 EPYC (AVX2), built-in model prefill, fast vs eager: fp32 40 rows 121 vs
+# 213-249 ms, 60 rows 101-108 vs 218-319 (best of 3, two runs); bf16 60 rows 119 vs 675.
 MAX_HEAD_DIM = 256  # the attention's 16-lane chunks per head (MAX_CHUNKS in the source)
 # The instruction sets it builds for, best first, with the /proc/cpuinfo flags each needs.
 ISA_FLAGS = {
@@ -65,19 +64,6 @@ def isa() -> str | None:
     """The instruction set the extension builds for on this CPU (None: none of ``ISA_FLAGS``)."""
     flags = cpu_flags()
     return next((name for name, need in ISA_FLAGS.items() if flags.issuperset(need)), None)
-
-
-def max_rows(dtype: torch.dtype) -> int:
-    """The most rows a step in ``dtype`` runs through the fast path on this CPU."""
-    if dtype == torch.float32 and isa() == "avx2":
-        return AVX2_FP32_MAX_ROWS
-    return MAX_ROWS
-
-
-def packed_rows_ok(dtype: torch.dtype, rows: int) -> bool:
-    """Whether a product of ``rows`` rows in ``dtype`` should read the packed weight (``linear``)
-    rather than the plain one: always, but fp32 past ``AVX2_FP32_MAX_ROWS`` rows on AVX2."""
-    return rows <= AVX2_FP32_MAX_ROWS or max_rows(dtype) == MAX_ROWS
 
 
 def unavailable_reason() -> str | None:

@@ -61,7 +61,7 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3FastPath:
-    """The midlayer through ``kernels/cpu_decode`` for steps of at most ``max_rows`` rows (the
+    """The midlayer through ``kernels/cpu_decode`` for steps of at most ``MAX_ROWS`` rows (the
     eager ``Eagle3MidLayer.forward`` is its reference and runs every other step)."""
 
     def __init__(self, layer: Eagle3MidLayer) -> None:

@@ -357,7 +357,6 @@ class LinearBase(nn.Module):
             and x.dim() == 2
             and x.shape[0] > 0
             and x.dtype == self.weight.dtype
-            and cpu_decode.packed_rows_ok(x.dtype, x.shape[0])
         ):
             return cpu_decode.linear(x, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
@@ -549,7 +548,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             and hidden.dim() == 2
             and hidden.shape[0] > 0
             and hidden.dtype == self.weight.dtype
-            and cpu_decode.packed_rows_ok(hidden.dtype, hidden.shape[0])
         ):
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:

@@ -211,7 +211,7 @@ def fast_path_accepts(
     k_cache = attn.k_cache
     return (
         isinstance(meta, AttentionMetadata)
-        and 0 < rows <= cpu_decode.max_rows(dtype)
+        and 0 < rows <= cpu_decode.MAX_ROWS
         and meta.all_rank_num_tokens is None
         and k_cache.dtype == dtype
         and k_cache.dim() == 4
@@ -248,7 +248,7 @@ def share_fast_weights(attn: nn.Module, mlp: nn.Module, packed: list[torch.Tenso
 
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
-    at most ``cpu_decode.max_rows`` rows (decode and speculative verification of small
+    at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small
     batches); the eager layers stay the reference and run every other step (prefill chunks,
     large batches, training)."""
 

@@ -118,11 +118,7 @@ def assert_greedy_matches(outs: list[Any], ref: list[dict[str, Any]]) -> None:
         assert max(diffs) < 1e-4
 
 
-def test_greedy_matches_transformers_through_the_fast_path(
-    tiny: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The 60-row prefill through the fast path even where fp32 stops at 32 rows for speed.
-    monkeypatch.setattr(cpu_decode, "AVX2_FP32_MAX_ROWS", cpu_decode.MAX_ROWS)
+def test_greedy_matches_transformers_through_the_fast_path(tiny: Path) -> None:
     ref = hf_greedy(tiny, PROMPTS, 24)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     records: list[dict[str, Any]] = []
@@ -202,7 +198,7 @@ def test_greedy_speculation_is_exact_with_the_fast_path(
 def test_large_steps_and_unsupported_models_use_the_eager_path(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limit = cpu_decode.max_rows(torch.float32)
+    limit = cpu_decode.MAX_ROWS
     long_prompt = list(range(1, limit + 8))
     records: list[dict[str, Any]] = []
     with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
@@ -249,7 +245,7 @@ def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
     """Steps too large for the fast path run the eager layers, whose linears read the fast
     path's packed matrices (the same tensors: one packed copy in memory, no oneDNN copy); a
     prefill of more than MAX_ROWS rows through them still gives transformers' greedy output."""
-    prompts = [list(range(1, cpu_decode.max_rows(torch.float32) + 30)), [7, 8, 9]]
+    prompts = [list(range(1, cpu_decode.MAX_ROWS + 30)), [7, 8, 9]]
     ref = hf_greedy(tiny, prompts, 8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     with LLM(str(tiny), dtype="float32", max_num_seqs=4) as llm:
@@ -383,8 +379,7 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """AVX-512 with BF16 where present, else AVX-512 (F, BW), else AVX2 + FMA, else no fast path
-    (with a reason naming each), and the row limit for each; the extension reports what it was
-    built for."""
+    (with a reason naming each); the extension reports what it was built for."""
     cases = [
         ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, "avx512_bf16"),
         ({"avx2", "fma", "avx512f", "avx512bw"}, "avx512"),  # without BF16's dot product
@@ -402,14 +397,6 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
                 assert reason is not None and all(name in reason for name in cpu_decode.ISA_FLAGS)
             else:
                 assert reason is None
-            # fp32 on AVX2: eager sgemm is faster past 32 rows (kernels/cpu_decode.py).
-            fp32_rows = 32 if want == "avx2" else cpu_decode.MAX_ROWS
-            assert cpu_decode.max_rows(torch.float32) == fp32_rows
-            assert cpu_decode.max_rows(torch.bfloat16) == cpu_decode.MAX_ROWS
-            # Larger eager products read the plain fp32 weight there (sgemm), packed otherwise.
-            assert cpu_decode.packed_rows_ok(torch.float32, 33) == (want != "avx2")
-            assert cpu_decode.packed_rows_ok(torch.float32, 32)
-            assert cpu_decode.packed_rows_ok(torch.bfloat16, 1000)
     ext = cpu_decode.load_extension()
     assert ext is not None and ext.isa() == cpu_decode.isa()
 
