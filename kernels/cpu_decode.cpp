@@ -525,18 +525,17 @@ inline void rows(const X* x, const Mat& w, T* y, int64_t M, int64_t b, const cha
     ++t;
     return p;
   };
-  if (split) {
-    for (int s = 0; s < W; s += TW) {
+  auto tiles_of = [&](auto width) {  // tiles `width` blocks wide over all M rows
+    constexpr int N = decltype(width)::value;
+    for (int s = 0; s < W; s += N) {
       int64_t m = 0;
-      for (; m + R <= M; m += R) tile<R, TW>(x, w, y, m, b + s, pf());
-      if (m < M) rest_tile<X, T, TW>(M - m, x, w, y, m, b + s, pf());
+      for (; m + R <= M; m += R) tile<R, N>(x, w, y, m, b + s, pf());
+      // The rest: one tile, one weight read.
+      if (m < M) rest_tile<X, T, N>(M - m, x, w, y, m, b + s, pf());
     }
-    return;
-  }
-  int64_t m = 0;
-  for (; m + R <= M; m += R) tile<R, W>(x, w, y, m, b, pf());
-  // The rest: one tile, one weight read.
-  if (m < M) rest_tile<X, T, W>(M - m, x, w, y, m, b, pf());
+  };
+  if (split) return tiles_of(std::integral_constant<int, TW>{});
+  tiles_of(std::integral_constant<int, W>{});
 }
 
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed (x: T, or fp32 for bfloat16 T).
