@@ -134,6 +134,7 @@ class CUDAGraphConfig:
 
 
 SPEC_METHODS = ("eagle3", "mtp")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,10 @@ class SpeculativeConfig:
     # Steps that run at least this many requests (all ranks together) propose no drafts: the
     # next step decodes one token per request. None: always speculate.
     disable_by_batch_size: int | None = None
+    # The Eagle3 head's weights, activations and KV cache: "auto" is the target's dtype, except
+    # for a CPU fp32 target with a head stored in bfloat16, which then runs in bfloat16 (half the
+    # bytes per draft pass; verification keeps the output the target's).
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -192,6 +197,15 @@ class SpeculativeConfig:
                     "speculative_config.disable_by_batch_size is not supported with "
                     "mtp_mode 'vanilla'"
                 )
+        _require(
+            self.draft_dtype in DRAFT_DTYPES,
+            "speculative_config.draft_dtype",
+            self.draft_dtype,
+            f"one of {DRAFT_DTYPES}",
+        )
+        if self.method != "eagle3" and self.draft_dtype != "auto":
+            # MTP layers share the target's embedding and LM head, so they run in its dtype.
+            raise ValueError("speculative_config.draft_dtype applies to method 'eagle3' only")
         layers = self.eagle3_layers_to_capture
         if layers is not None:
             _require(

@@ -134,8 +134,7 @@ class GraphRunner:
         if self.spec is None:
             return
         hidden = int(self.runner.model.config.hidden_size)
-        dtype = next(self.runner.model.parameters()).dtype
-        z("draft_hidden", (n, hidden), dtype)
+        z("draft_hidden", (n, hidden), self.spec.draft.dtype)
         z("next_tokens", (b,), i64)
         z("rows", (b, k1), i64)
         z("drafts", (b, self.k), i64)

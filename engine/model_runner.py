@@ -189,27 +189,31 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- KV cache
 
-    def attention_layers(self) -> list[Any]:
-        layers = list(self.model.attention_layers())
+    def cache_layers(self, dtype: torch.dtype) -> list[tuple[Any, torch.dtype]]:
+        """Every attention layer with the dtype of its KV cache: ``dtype`` for the target's, the
+        head's own for a draft's (an Eagle3 head may run in another dtype)."""
+        layers = [(a, dtype) for a in self.model.attention_layers()]
         if self.spec is not None:
-            layers += self.spec.draft.attention_layers()
+            draft = self.spec.draft
+            layers += [(a, draft.dtype) for a in draft.attention_layers()]
         return layers
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
         return sum(
-            a.kv_cache_spec().bytes_per_block(self.block_size, dtype)
-            for a in self.attention_layers()
+            a.kv_cache_spec().bytes_per_block(self.block_size, layer_dtype)
+            for a, layer_dtype in self.cache_layers(dtype)
         )
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """The cache tensors each attention layer asks for (``kv_cache_spec``: K and V, or one
         latent tensor), target layers then draft layers."""
         self.kv_caches = []
-        for attn in self.attention_layers():
+        for attn, layer_dtype in self.cache_layers(dtype):
             spec = attn.kv_cache_spec()
             shape = (num_blocks, self.block_size, *spec.token_shape)
             caches = tuple(
-                torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_tensors)
+                torch.zeros(shape, dtype=layer_dtype, device=self.device)
+                for _ in range(spec.num_tensors)
             )
             attn.bind_kv_cache(caches)
             self.kv_caches.append(caches)

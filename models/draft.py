@@ -35,6 +35,12 @@ class DraftHead(nn.Module):
     def layers(self) -> list[nn.Module]:
         raise NotImplementedError
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its layers' weights; Eagle3 may differ from the
+        target's: ``speculative_config.draft_dtype``)."""
+        return next(self.layers[0].parameters()).dtype
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
@@ -67,7 +73,9 @@ class DraftHead(nn.Module):
         the argument, exactly as before row picking existed."""
         assert self.embed_tokens is not None
         layer = self.layers[layer_index]
-        embeds = self.embed_tokens(token_ids)
+        # The target's embedding and hidden states, in the head's dtype (no-op when the same).
+        embeds = self.embed_tokens(token_ids).to(self.dtype)
+        hidden = hidden.to(self.dtype)
         if pick_rows is None:
             return layer(positions, embeds, hidden, meta)
         return layer(positions, embeds, hidden, meta, pick_rows=pick_rows)

@@ -165,7 +165,7 @@ class Eagle3Draft(DraftHead):
 
     def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """fc over the concatenated captured target states: [T, 3H] → [T, H]."""
-        return self.fc(torch.cat(captured, dim=-1))
+        return self.fc(torch.cat(captured, dim=-1).to(self.fc.weight.dtype))
 
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_V]."""

@@ -136,6 +136,39 @@ def _count_mtp_layers(files: list[Path], first: int) -> int:
     return len(found)
 
 
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def stored_float_dtype(folder: str | os.PathLike) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor of a checkpoint (None: none found)."""
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118
+                found = _STORED_DTYPES.get(fh.get_slice(name).get_dtype())
+                if found is not None:
+                    return found
+    return None
+
+
+def resolve_draft_dtype(
+    spec: Any, target_dtype: torch.dtype, device: str | torch.device
+) -> torch.dtype:
+    """The dtype an Eagle3 head runs in (``speculative_config.draft_dtype``). ``"auto"``: the
+    target's, but a CPU fp32 target runs a head stored in bfloat16 in bfloat16: draft passes are
+    bound by reading weights, and the stored values lose nothing."""
+    name = getattr(spec, "draft_dtype", "auto")
+    if name != "auto":
+        return resolve_dtype(name, None)
+    if (
+        spec.method == "eagle3"
+        and torch.device(device).type == "cpu"
+        and target_dtype == torch.float32
+        and stored_float_dtype(spec.model) == torch.bfloat16
+    ):
+        return torch.bfloat16
+    return target_dtype
+
+
 def load_draft(
     spec: Any,
     target: nn.Module,
@@ -159,7 +192,7 @@ def load_draft(
                 f"{folder} is not an Eagle3 draft: architectures {sorted(archs)}; expected "
                 "LlamaForCausalLM or LlamaForCausalLMEagle3"
             )
-        with default_dtype(dtype), torch.device(device):
+        with default_dtype(resolve_draft_dtype(spec, dtype, device)), torch.device(device):
             draft = Eagle3Draft(config, target_config, mapping)
         draft.bind_target(target)
         loaded = draft.load_weights(iterate_checkpoint(safetensors_files(folder), "loading draft"))
@@ -169,7 +202,10 @@ def load_draft(
                     f"draft checkpoint {folder} has no lm_head.weight and its draft vocabulary "
                     f"({draft.draft_vocab_size}) differs from the target's, so it cannot borrow it"
                 )
-            draft.lm_head.weight = target.lm_head.weight
+            borrowed = target.lm_head.weight
+            if borrowed.dtype != draft.dtype:  # a copy in the draft's dtype
+                borrowed = nn.Parameter(borrowed.detach().to(draft.dtype), requires_grad=False)
+            draft.lm_head.weight = borrowed
             loaded.add("lm_head.weight")
         check_complete(draft, loaded, folder)
         return draft.eval()

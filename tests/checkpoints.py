@@ -232,8 +232,10 @@ def build_eagle3_draft(
     draft_vocab: int | None = None,
     seed: int = 2,
     with_lm_head: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """A random Eagle3 draft head for ``target`` in the public checkpoint layout."""
+    """A random Eagle3 draft head for ``target`` in the public checkpoint layout, its floating
+    tensors stored in ``dtype``."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -275,6 +277,7 @@ def build_eagle3_draft(
     }
     if with_lm_head:
         state["lm_head.weight"] = rnd(dv, h)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"))
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
 from engine import LLM, SamplingParams
@@ -156,6 +157,10 @@ def test_configuration_errors(models, tmp_path: Path) -> None:
             t,
             speculative_config={"method": "mtp", "mtp_mode": "vanilla", "disable_by_batch_size": 4},
         )
+    with pytest.raises(ValueError, match="speculative_config.draft_dtype"):
+        LLM(t, speculative_config={"method": "eagle3", "model": "x", "draft_dtype": "int8"})
+    with pytest.raises(ValueError, match="draft_dtype applies to method 'eagle3' only"):
+        LLM(t, speculative_config={"method": "mtp", "draft_dtype": "bfloat16"})
     # A target without MTP layers.
     plain = build_llama(tmp_path / "plain")
     with pytest.raises(ValueError, match="no MTP layers"):
@@ -185,6 +190,33 @@ def test_eagle3_without_lm_head_borrows_the_targets(models, baseline, tmp_path: 
             tmp_path / "d2", models["target"], draft_vocab=100, with_lm_head=False
         )
         LLM(str(models["target"]), speculative_config={"method": "eagle3", "model": str(d2)})
+
+
+@pytest.mark.parametrize("with_lm_head", [True, False])
+def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
+    """A head stored in bfloat16 runs in bfloat16 on a CPU fp32 target unless draft_dtype says
+    otherwise (weights, borrowed LM head and KV cache alike); the output stays the target's."""
+    head = build_eagle3_draft(
+        tmp_path / "bf16",
+        models["target"],
+        draft_vocab=160 if with_lm_head else None,
+        with_lm_head=with_lm_head,
+        dtype=torch.bfloat16,
+    )
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    for choice, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        spec = {"method": "eagle3", "model": str(head), "draft_dtype": choice}
+        with LLM(str(models["target"]), speculative_config=spec) as llm:
+            runner = llm.engine.executor.worker.runner
+            draft = runner.spec.draft
+            assert draft.dtype == expected and draft.lm_head_weight.dtype == expected
+            caches = [c.dtype for layer in runner.kv_caches for c in layer]
+            num_draft = 2 * len(draft.attention_layers())
+            assert set(caches[-num_draft:]) == {expected}
+            assert set(caches[:-num_draft]) == {torch.float32}  # the target's
+            outs = llm.generate(PROMPTS, params)
+        assert _tokens(outs) == baseline["target"]
+        assert all(o.spec_stats.num_drafts > 0 for o in outs)
 
 
 def test_logprobs_under_speculation_are_the_targets(models) -> None:

@@ -72,7 +72,10 @@ def trained(target: Path) -> dict[str, Path]:
 
 
 def _spec(heads: dict[str, Path], method: str) -> dict:
-    return {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    spec = {"method": method, "model": str(heads[method]), "num_speculative_tokens": 3}
+    if method == "eagle3":  # saved in bf16; run as the fp32 training forward computes
+        spec["draft_dtype"] = "float32"
+    return spec
 
 
 @pytest.mark.parametrize("method", METHODS)
