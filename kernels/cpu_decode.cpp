@@ -1275,6 +1275,110 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// Greedy Eagle3 draft steps 1 .. steps for one row per request, in one call (the draft loop's
+// per-step Python work gone): step j embeds row b's previous draft (a target id) from the
+// target's embedding (rounded to the head's dtype), runs the midlayer at position
+// positions[b] + j (writing its draft KV; block index clamped to the table, as the eager
+// loop's metadata does), applies the final norm, the LM head over the draft vocabulary and its
+// argmax, and maps the draft id to a target id (id + d2t[id]). hidden [B, H]: step 0's picked
+// midlayer outputs; tokens [B]: step 0's drafts. Returns [B, steps] target ids.
+template <typename T, typename E>
+torch::Tensor run_eagle3_chain(torch::Tensor h, std::vector<int64_t> tok,
+                               const torch::Tensor& positions, const torch::Tensor& block_tables,
+                               const E* embedding, int64_t vocab,
+                               const std::vector<torch::Tensor>& weights,
+                               const std::vector<torch::Tensor>& caches,
+                               const torch::Tensor& cos_sin, const torch::Tensor& final_norm,
+                               const Mat& lm_head, const int64_t* d2t, int64_t steps,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, int64_t inter, double eps, double scale) {
+  const int64_t B = h.size(0), H = h.size(1), V = lm_head.O;
+  const auto i64 = h.options().dtype(torch::kLong);
+  torch::Tensor drafts = torch::empty({B, steps}, i64);
+  torch::Tensor pos = torch::empty({B}, i64), slots = torch::empty({B}, i64);
+  torch::Tensor row_seq = torch::arange(B, i64), kv_len = torch::empty({B}, i64);
+  torch::Tensor embeds = torch::empty({B, H}, h.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  std::vector<T> normed(B * H), logits(B * V);
+  std::vector<float> block_max;
+  for (int64_t j = 1; j <= steps; ++j) {
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(tok[b] >= 0 && tok[b] < vocab, "draft token ", tok[b], " is out of range");
+      const int64_t p = positions.data_ptr<int64_t>()[b] + j;
+      const int64_t block = tables[b * width + std::min(p / block_size, width - 1)];
+      pos.data_ptr<int64_t>()[b] = p;
+      slots.data_ptr<int64_t>()[b] = block * block_size + p % block_size;
+      kv_len.data_ptr<int64_t>()[b] = p + 1;
+      for (int64_t i = 0; i < H; ++i) st(ptr<T>(embeds) + b * H + i, ld(embedding + tok[b] * H + i));
+    }
+    const Paged pg = check_step(embeds, pos, slots, row_seq, kv_len, block_tables, caches,
+                                weights, cos_sin, num_kv_heads, head_dim, block_size);
+    const Step s(B, num_heads, num_kv_heads, head_dim, H, inter, eps, scale, pos, slots, cos_sin,
+                 pg, caches[0].numel() / (num_kv_heads * head_dim));
+    std::vector<int64_t> all(B);
+    for (int64_t b = 0; b < B; ++b) all[b] = b;
+    h = run_eagle3<T>(embeds, h, all, s, weights, caches[0], caches[1]);
+    rms_norm(ptr<T>(h), ptr<T>(final_norm), normed.data(), B, H, static_cast<float>(eps));
+    matvec(normed.data(), lm_head, logits.data(), B);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t id = row_argmax(logits.data() + b * V, V, block_max);
+      tok[b] = id + d2t[id];
+      drafts.data_ptr<int64_t>()[b * steps + j - 1] = tok[b];
+    }
+  }
+  return drafts;
+}
+
+torch::Tensor eagle3_chain(torch::Tensor hidden, torch::Tensor tokens, torch::Tensor positions,
+                           torch::Tensor block_tables, torch::Tensor embedding,
+                           std::vector<torch::Tensor> weights, torch::Tensor k_cache,
+                           torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor final_norm,
+                           torch::Tensor lm_head, torch::Tensor d2t, int64_t steps,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t intermediate_size, double eps,
+                           double scale) {
+  TORCH_CHECK(weights.size() == 7, "7 weights");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden [B, H] expected");
+  const int64_t B = hidden.size(0), H = hidden.size(1), V = d2t.size(0);
+  TORCH_CHECK(steps >= 1, "steps must be positive");
+  TORCH_CHECK(tokens.scalar_type() == torch::kLong && tokens.numel() == B, "tokens [B] int64");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == B &&
+                  positions.is_contiguous(),
+              "positions [B] int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous(),
+              "block_tables [B, blocks] expected");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == H && embedding.is_contiguous() &&
+                  (embedding.scalar_type() == torch::kFloat32 ||
+                   embedding.scalar_type() == hidden.scalar_type()),
+              "embedding [vocab, H] in float32 or the head's dtype expected");
+  TORCH_CHECK(final_norm.numel() == H && final_norm.scalar_type() == hidden.scalar_type(),
+              "final_norm [H] in the head's dtype expected");
+  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type(), "lm_head in the head's dtype");
+  TORCH_CHECK(d2t.scalar_type() == torch::kLong && d2t.is_contiguous(), "d2t [V] int64");
+  const Mat head = packed(lm_head, V, H);
+  const int64_t* map = d2t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < V; ++i) {
+    TORCH_CHECK(i + map[i] >= 0 && i + map[i] < embedding.size(0), "d2t maps out of the vocab");
+  }
+  auto t = tokens.contiguous();
+  std::vector<int64_t> tok(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + B);
+  const std::vector<torch::Tensor> caches{k_cache, v_cache};
+  auto run = [&](auto tag, const auto* emb) {
+    using T = decltype(tag);
+    return run_eagle3_chain<T>(hidden, tok, positions, block_tables, emb, embedding.size(0),
+                               weights, caches, cos_sin, final_norm, head, map, steps, num_heads,
+                               num_kv_heads, head_dim, block_size, intermediate_size, eps, scale);
+  };
+  const bool fp32_embedding = embedding.scalar_type() == torch::kFloat32;
+  if (hidden.scalar_type() == torch::kBFloat16) {
+    if (fp32_embedding) return run(uint16_t{}, ptr<float>(embedding));
+    return run(uint16_t{}, ptr<uint16_t>(embedding));
+  }
+  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32, "dtype must be bfloat16 or float32");
+  return run(float{}, ptr<float>(embedding));
+}
+
 // exp of each element of a float32 tensor through vexp (the softmax and SiLU exponential), for
 // its accuracy test.
 torch::Tensor exp_lanes(torch::Tensor x) {
@@ -1297,6 +1401,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
   m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
+  m.def("eagle3_chain", &eagle3_chain, "greedy Eagle3 draft steps after the first (CPU)");
   m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of a [B, V] tensor (CPU)");
   m.def("isa", []() { return std::string(ISA); }, "the instruction set it was built for");
   m.def("exp_lanes", &exp_lanes, "exp through the kernels' vector exp (tests)");

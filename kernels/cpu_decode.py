@@ -230,3 +230,45 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if ext is None or x.device.type != "cpu" or x.dtype not in DTYPES or 0 in (x.dim(), x.numel()):
         return x.argmax(dim=-1)  # (empty or 0-d: torch's own result or error)
     return ext.argmax_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
+
+
+def eagle3_chain(
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    embedding: torch.Tensor,
+    weights: list[torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    cos_sin: torch.Tensor,
+    final_norm: torch.Tensor,
+    lm_head: torch.Tensor,
+    d2t: torch.Tensor,
+    steps: int,
+    shape: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """Greedy Eagle3 draft steps 1 .. ``steps`` in one call, one row per request: each step
+    embeds the previous draft (``embedding``: the target's, fp32 or the head's dtype), runs the
+    midlayer at ``positions + j`` (writing its draft KV; ``block_tables`` [B, blocks] int32),
+    the final norm, the LM head (``lm_head`` packed, over the draft vocabulary) and its argmax,
+    mapped to target ids through ``d2t``. ``hidden`` [B, H] / ``tokens`` [B]: step 0's output
+    and drafts. Returns [B, steps] target ids."""
+    return _ext_or_raise().eagle3_chain(
+        hidden,
+        tokens,
+        positions,
+        block_tables,
+        embedding,
+        weights,
+        *caches,
+        cos_sin,
+        final_norm,
+        lm_head,
+        d2t,
+        steps,
+        *shape,
+        eps,
+        scale,
+    )

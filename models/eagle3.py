@@ -4,7 +4,8 @@ over a reduced draft vocabulary mapped back with ``target_id = draft_id + d2t[dr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -117,6 +118,49 @@ class Eagle3FastPath:
             self.scale,
         )
 
+    def chain(
+        self,
+        draft: Eagle3Draft,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        steps: int,
+    ) -> torch.Tensor | None:
+        """Greedy draft steps 1 .. ``steps`` in one extension call (``cpu_decode.eagle3_chain``),
+        or None where it does not apply (the LM head or the embedding sharded or not packed,
+        too many rows, a cache in another dtype)."""
+        lm_head, embed = draft.lm_head.fast_weight, draft.embed_tokens
+        k_cache = self.attention.k_cache
+        if (
+            lm_head is None
+            or embed is None
+            or getattr(embed, "mapping", None) is None
+            or embed.mapping.tp_size != 1
+            or not 0 < hidden.shape[0] <= cpu_decode.MAX_ROWS
+            or hidden.dtype != self.dtype
+            or k_cache.dtype != self.dtype
+            or k_cache.dim() != 4
+        ):
+            return None
+        return cpu_decode.eagle3_chain(
+            hidden.contiguous(),
+            tokens.long().contiguous(),
+            positions.long().contiguous(),
+            block_tables.to(torch.int32).contiguous(),
+            embed.weight,
+            self.weights,
+            (k_cache, self.attention.v_cache),
+            self.cos_sin,
+            draft.norm.weight,
+            lm_head,
+            draft.d2t,
+            steps,
+            (*self.shape, k_cache.shape[1], self.intermediate),
+            self.eps,
+            self.scale,
+        )
+
 
 def enable_cpu_fast_draft(draft: nn.Module) -> str | None:
     """Give an Eagle3 draft's midlayer the CPU fast path when it qualifies (the caller has
@@ -180,6 +224,13 @@ class Eagle3Draft(DraftHead):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    @property
+    def greedy_chain(self) -> Callable[..., torch.Tensor | None] | None:
+        """Greedy draft steps 1 .. n after step 0 in one CPU fast-path call
+        (``Eagle3FastPath.chain`` bound to this head), None without the fast path."""
+        fast = self.midlayer.fast_path
+        return None if fast is None else partial(fast.chain, self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         def rename(name: str) -> list[str] | None:

@@ -152,7 +152,10 @@ def test_speculative_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype:
     drafts: list[dict[str, Any]] = []
     with LLM(str(tiny), dtype=dtype, max_num_seqs=4, speculative_config=spec) as llm:
         model = inner_model(llm)
-        midlayer = llm.engine.executor.worker.runner.spec.draft.midlayer
+        spec = llm.engine.executor.worker.runner.spec
+        # Every draft step through the midlayer (the one-call chain: test_speculative).
+        spec.fast_chain = False
+        midlayer = spec.draft.midlayer
         with checked_against_eager(model, records), checked_against_eager(midlayer, drafts):
             llm.generate(PROMPTS[:3], params)
     verify = [r for r in records if r["rows"] == 4 * r["seqs"]]

@@ -219,6 +219,47 @@ def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool)
         assert all(o.spec_stats.num_drafts > 0 for o in outs)
 
 
+@pytest.mark.parametrize(
+    ("head_dtype", "target_dtype"),
+    [(torch.float32, "float32"), (torch.bfloat16, "float32"), (torch.bfloat16, "bfloat16")],
+)
+def test_fast_draft_chain_proposes_the_loops_drafts(
+    models, tmp_path: Path, head_dtype: torch.dtype, target_dtype: str, monkeypatch
+) -> None:
+    """On CPU, greedy Eagle3 draft steps after the first run as one extension call
+    (``cpu_decode.eagle3_chain``): after every engine step, the same drafts as the step-by-step
+    loop, and the same output."""
+    from kernels import cpu_decode
+
+    if cpu_decode.unavailable_reason() is not None:
+        pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
+    head = build_eagle3_draft(tmp_path / "h", models["target"], draft_vocab=160, dtype=head_dtype)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    calls: list[int] = []
+    chain = cpu_decode.eagle3_chain
+    monkeypatch.setattr(cpu_decode, "eagle3_chain", lambda *a: calls.append(1) or chain(*a))
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    runs = []
+    for fast in (True, False):
+        with LLM(str(models["target"]), dtype=target_dtype, speculative_config=spec) as llm:
+            engine = llm.engine
+            engine.executor.worker.runner.spec.fast_chain = fast
+            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
+            drafts: list[list[int]] = []
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    drafts.append(list(reqs[out.request_id].spec_token_ids))
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        runs.append((drafts, tokens))
+        if fast:
+            assert calls, "the chain did not run"
+            calls.clear()
+    assert not calls
+    assert runs[0] == runs[1]
+    assert any(d for d in runs[0][0])
+
+
 def test_logprobs_under_speculation_are_the_targets(models) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     with LLM(str(models["target"])) as llm:

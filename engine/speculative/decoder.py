@@ -78,6 +78,9 @@ class SpecDecoder:
         # per draft step), so the greedy/advanced choice must be group-synced.
         self.lm_head_tp = mapping.uses_adp_collectives and mapping.enable_lm_head_tp_in_adp
         self.draft_q: dict[str, Tensor] = {}  # request id → [K, V] draft probabilities
+        # Greedy Eagle3 draft steps after the first as one CPU fast-path call where it applies
+        # (the same drafts as the step-by-step loop; tests turn it off to compare).
+        self.fast_chain = True
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -297,7 +300,16 @@ class SpecDecoder:
                 hidden = draft(0, positions, step_tokens, draft_hidden, target_meta)[gather_ids]
             emit(0, hidden)
             pos = layout.positions + num_accepted  # position of the picked row
-            for _ in range(1, self.k):
+            chain = None
+            if self.fast_chain and self.k > 1 and not advanced and not self.lm_head_tp:
+                chain = getattr(draft, "greedy_chain", None)
+            rest = None
+            if chain is not None and target_meta.all_rank_num_picked is None:
+                # Steps 1 .. K - 1 in one CPU fast-path call (None: it does not apply).
+                rest = chain(hidden, drafts[-1], pos, layout.block_tables, self.k - 1)
+            if rest is not None:
+                drafts.extend(rest.unbind(1))
+            for _ in range(1, self.k if rest is None else 1):
                 pos = pos + 1
                 row_meta = self._single_row_meta(layout, pos, target_meta.all_rank_num_picked)
                 hidden = draft(0, pos, drafts[-1], hidden, row_meta)
