@@ -10,7 +10,9 @@ at batch 1 (decode only: tokens after the first / time after the first) and aggr
 transformers and against Tandem without speculation, with the machine's measured memory
 bandwidth and the batch-1 roofline: bandwidth / bytes one decode step reads (every weight a step
 reads — the tied embedding / LM head once, an untied input embedding not at all, since a step
-reads one row of it — plus the KV cache at the mean context length).
+reads one row of it — plus the KV cache at the mean context length). Every system is loaded
+first and they run in turn (prompt by prompt for the batch-1 column, then concurrency by
+concurrency), so that a machine whose speed drifts during the run slows every row alike.
 
     tandem bench compare                          # the built-in model and its shipped heads
     tandem bench compare --model PATH --eagle3 HEAD --mtp HEAD --dtype bfloat16
@@ -166,77 +168,85 @@ def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def run_tandem(
-    model: str,
-    prompts: list[list[int]],
-    cfg: BenchConfig,
-    spec: dict[str, Any] | None,
-    name: str,
-) -> Row:
+class TandemSystem:
     """Tandem's offline engine, driven step by step (requests kept in flight by hand)."""
-    from engine.config import EngineArgs
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            max_num_seqs=max(cfg.concurrency),
-            enable_prefix_caching=False,  # every run prefills like the first
-            speculative_config=spec,
+    def __init__(
+        self,
+        model: str,
+        cfg: BenchConfig,
+        spec: dict[str, Any] | None,
+        name: str,
+        warm_up: list[int],
+    ) -> None:
+        from engine.config import EngineArgs
+        from engine.llm_engine import LLMEngine
+        from engine.sampling_params import SamplingParams
+
+        self.row = Row(name)
+        self.spec = spec
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(
+                model=model,
+                dtype=cfg.dtype,
+                device=cfg.device,
+                max_num_seqs=max(cfg.concurrency),
+                enable_prefix_caching=False,  # every run prefills like the first
+                speculative_config=spec,
+            )
         )
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
-    counter = iter(range(1 << 30))
-    row = Row(name)
-    try:
-        engine.add_request("warm-up", prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+        self.params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+        self.counter = iter(range(1 << 30))
+        self.engine.add_request("warm-up", warm_up, SamplingParams(temperature=0.0, max_tokens=4))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self.before = self.engine.get_stats()
+
+    def batch1(self, ids: list[int]) -> tuple[int, float]:
+        """(tokens after the first, seconds after the first) of one request alone."""
+        engine = self.engine
+        engine.add_request(f"b1-{next(self.counter)}", ids, self.params)
+        first = last = None
+        n = 0
         while engine.has_unfinished_requests():
-            engine.step()
-        before = engine.get_stats()
+            for out in engine.step():
+                now = time.perf_counter()
+                if first is None and out.outputs[0].token_ids:
+                    first = now
+                n, last = len(out.outputs[0].token_ids), now
+        if first is None or last is None:
+            return 0, 0.0
+        return n - 1, last - first
 
-        decode_tokens, decode_s = 0, 0.0
-        for ids in prompts[: cfg.batch1_prompts]:
-            engine.add_request(f"b1-{next(counter)}", ids, params)
-            first = last = None
-            n = 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    now = time.perf_counter()
-                    if first is None and out.outputs[0].token_ids:
-                        first = now
-                    n, last = len(out.outputs[0].token_ids), now
-            decode_tokens += n - 1
-            decode_s += last - first if first is not None and last is not None else 0.0
-        row.batch1 = decode_tokens / decode_s if decode_s > 0 else None
+    def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
+        """Output tokens/s with ``conc`` requests in flight until every prompt is done."""
+        engine = self.engine
+        queue = _cycle(prompts, max(len(prompts), conc))
+        in_flight: set[str] = set()
+        tokens = 0
+        start = time.perf_counter()
+        while queue or in_flight:
+            while queue and len(in_flight) < conc:
+                rid = f"c{conc}-{next(self.counter)}"
+                engine.add_request(rid, queue.pop(0), self.params)
+                in_flight.add(rid)
+            for out in engine.step():
+                if out.finished:
+                    in_flight.discard(out.request_id)
+                    tokens += len(out.outputs[0].token_ids)
+        return tokens / (time.perf_counter() - start)
 
-        for conc in cfg.concurrency:
-            queue = _cycle(prompts, max(len(prompts), conc))
-            in_flight: set[str] = set()
-            tokens = 0
-            start = time.perf_counter()
-            while queue or in_flight:
-                while queue and len(in_flight) < conc:
-                    rid = f"c{conc}-{next(counter)}"
-                    engine.add_request(rid, queue.pop(0), params)
-                    in_flight.add(rid)
-                for out in engine.step():
-                    if out.finished:
-                        in_flight.discard(out.request_id)
-                        tokens += len(out.outputs[0].token_ids)
-            row.by_concurrency[conc] = tokens / (time.perf_counter() - start)
-        after = engine.get_stats()
-        if spec is not None:
-            drafts = after.spec_num_drafts - before.spec_num_drafts
-            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-            row.tokens_per_step = 1 + accepted / drafts if drafts else None
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-    return row
+    def close(self) -> None:
+        try:
+            if self.spec is not None:
+                after = self.engine.get_stats()
+                drafts = after.spec_num_drafts - self.before.spec_num_drafts
+                accepted = after.spec_num_accepted_tokens - self.before.spec_num_accepted_tokens
+                self.row.tokens_per_step = 1 + accepted / drafts if drafts else None
+        finally:
+            self.engine.shutdown()
+            del self.engine
+            gc.collect()
 
 
 class _StepTimes:
@@ -259,70 +269,92 @@ class _StepTimes:
         return sum(n for _, n in new[1:]), new[-1][0] - new[0][0]
 
 
-def run_transformers(
-    model_path: str,
-    prompts: list[list[int]],
-    cfg: BenchConfig,
-    assistant: str | None = None,
-) -> Row:
+class TransformersSystem:
     """transformers ``generate``, greedy, ``max_tokens`` new tokens each (EOS ignored)."""
-    import torch
-    import transformers as tf
 
-    dtype = getattr(torch, cfg.dtype)
-    dev = torch.device(cfg.device)
-    model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev).eval()
-    helper = None
-    if assistant is not None:
-        helper = tf.AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype).to(dev).eval()
-        helper.generation_config.eos_token_id = None
-    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
-    pad = model.generation_config.pad_token_id
-    pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
-    kw: dict[str, Any] = dict(
-        do_sample=False,
-        max_new_tokens=cfg.max_tokens,
-        min_new_tokens=cfg.max_tokens,
-        pad_token_id=pad,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    if helper is not None:
-        kw["assistant_model"] = helper
-    row = Row("transformers generate" + (" + assistant" if helper is not None else ""))
+    def __init__(
+        self, model_path: str, cfg: BenchConfig, warm_up: list[int], assistant: str | None = None
+    ) -> None:
+        import torch
+        import transformers as tf
 
-    def generate(batch: list[list[int]], streamer: Any = None) -> int:
+        dtype = getattr(torch, cfg.dtype)
+        self.dev = torch.device(cfg.device)
+        self.model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model = self.model.to(self.dev).eval()
+        self.helper = None
+        if assistant is not None:
+            helper = tf.AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype)
+            self.helper = helper.to(self.dev).eval()
+            self.helper.generation_config.eos_token_id = None
+        self.model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
+        pad = self.model.generation_config.pad_token_id
+        self.pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+        self.kw: dict[str, Any] = dict(
+            do_sample=False,
+            max_new_tokens=cfg.max_tokens,
+            min_new_tokens=cfg.max_tokens,
+            pad_token_id=self.pad,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        if self.helper is not None:
+            self.kw["assistant_model"] = self.helper
+        self.row = Row("transformers generate" + (" + assistant" if self.helper else ""))
+        self.generate([warm_up])
+
+    def generate(self, batch: list[list[int]], streamer: Any = None) -> int:
+        import torch
+
         width = max(len(ids) for ids in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, p in enumerate(batch):  # left padding
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = model.generate(ids.to(dev), attention_mask=mask.to(dev), streamer=streamer, **kw)
+            out = self.model.generate(
+                ids.to(self.dev), attention_mask=mask.to(self.dev), streamer=streamer, **self.kw
+            )
         return int(out.shape[0] * (out.shape[1] - width))
 
-    generate(prompts[:1])  # warm-up
-    decode_tokens, decode_s = 0, 0.0
-    for p in prompts[: cfg.batch1_prompts]:
+    def batch1(self, ids: list[int]) -> tuple[int, float]:
         timer = _StepTimes()
-        generate([p], timer)
-        n, s = timer.decode()
-        decode_tokens, decode_s = decode_tokens + n, decode_s + s
-    row.batch1 = decode_tokens / decode_s if decode_s > 0 else None
-    for conc in cfg.concurrency:
-        if helper is not None and conc > 1:
-            row.by_concurrency[conc] = None
-            row.note = "assisted generation runs one request at a time"
-            continue
+        self.generate([ids], timer)
+        return timer.decode()
+
+    def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
+        if self.helper is not None and conc > 1:
+            self.row.note = "assisted generation runs one request at a time"
+            return None
         queue = _cycle(prompts, max(len(prompts), conc))
         tokens = 0
         start = time.perf_counter()
         for i in range(0, len(queue), conc):
-            tokens += generate(queue[i : i + conc])
-        row.by_concurrency[conc] = tokens / (time.perf_counter() - start)
-    return row
+            tokens += self.generate(queue[i : i + conc])
+        return tokens / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        del self.model, self.helper
+        gc.collect()
+
+
+def run_interleaved(systems: list[Any], prompts: list[list[int]], cfg: BenchConfig) -> None:
+    """Every system's batch-1 figure, prompt by prompt in turn, then each concurrency in turn:
+    the systems share the machine's slow and fast phases, so their ratios hold up to drift."""
+    decode = {id(s): [0, 0.0] for s in systems}
+    for ids in prompts[: cfg.batch1_prompts]:
+        for system in systems:
+            n, sec = system.batch1(ids)
+            decode[id(system)][0] += n
+            decode[id(system)][1] += sec
+    for system in systems:
+        n, sec = decode[id(system)]
+        system.row.batch1 = n / sec if sec > 0 else None
+    for conc in cfg.concurrency:
+        for system in systems:
+            system.row.by_concurrency[conc] = system.aggregate(prompts, conc)
 
 
 # ----------------------------------------------------------------------------- main
@@ -477,30 +509,47 @@ def _main(ns: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads",
         flush=True,
     )
-    rows: list[Row] = []
     na = {c: None for c in cfg.concurrency}
-    if ns.skip_transformers:
-        rows.append(Row("transformers generate", by_concurrency=dict(na), note="skipped"))
-    else:
-        print("running transformers generate ...", flush=True)
-        rows.append(run_transformers(model, prompts, cfg))
-    if ns.skip_transformers or assistant_why:
-        why = "skipped" if ns.skip_transformers else assistant_why
-        rows.append(Row("transformers generate + assistant", by_concurrency=dict(na), note=why))
-    else:
-        print("running transformers generate with the assistant ...", flush=True)
-        rows.append(run_transformers(model, prompts, cfg, ns.assistant_model))
-    print("running tandem ...", flush=True)
-    rows.append(run_tandem(model, prompts, cfg, None, "tandem"))
-    for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
-        name = f"tandem + {method} (K={k})"
-        if ns.disable_by_batch_size is not None:
-            name = f"tandem + {method} (K={k}, off at {ns.disable_by_batch_size}+)"
-        if spec is None:
-            rows.append(Row(name, by_concurrency=dict(na), note=why))
-            continue
-        print(f"running {name} ...", flush=True)
-        rows.append(run_tandem(model, prompts, cfg, spec, name))
+    # Rows in table order: a system, or a Row that says why it is missing.
+    entries: list[Any] = []
+    systems: list[Any] = []
+
+    def add(label: str, open_system: Callable[[], Any]) -> None:
+        print(f"loading {label} ...", flush=True)
+        system = open_system()
+        systems.append(system)
+        entries.append(system)
+
+    try:
+        if ns.skip_transformers:
+            entries.append(Row("transformers generate", by_concurrency=dict(na), note="skipped"))
+        else:
+            add("transformers generate", lambda: TransformersSystem(model, cfg, prompts[0]))
+        if ns.skip_transformers or assistant_why:
+            why = "skipped" if ns.skip_transformers else assistant_why
+            entries.append(
+                Row("transformers generate + assistant", by_concurrency=dict(na), note=why)
+            )
+        else:
+            add(
+                "transformers generate with the assistant",
+                lambda: TransformersSystem(model, cfg, prompts[0], ns.assistant_model),
+            )
+        add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
+        for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
+            name = f"tandem + {method} (K={k})"
+            if ns.disable_by_batch_size is not None:
+                name = f"tandem + {method} (K={k}, off at {ns.disable_by_batch_size}+)"
+            if spec is None:
+                entries.append(Row(name, by_concurrency=dict(na), note=why))
+                continue
+            add(name, lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]))
+        print("running every system in turn ...", flush=True)
+        run_interleaved(systems, prompts, cfg)
+    finally:
+        for system in systems:
+            system.close()
+    rows: list[Row] = [e if isinstance(e, Row) else e.row for e in entries]
 
     size = (64 << 20) if ns.quick else (1 << 30)
     bw = measure_memory_bandwidth(size, 2 if ns.quick else 5, ns.device)
