@@ -251,9 +251,15 @@ def test_fast_draft_chain_proposes_the_loops_drafts(
                 for out in engine.step():
                     drafts.append(list(reqs[out.request_id].spec_token_ids))
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if fast:  # a draft token outside the vocabulary: an error, nothing written
+                draft = engine.executor.worker.runner.spec.draft
+                hidden = torch.zeros(1, draft.config.hidden_size, dtype=draft.dtype)
+                blocks = torch.zeros(1, 2, dtype=torch.int32)
+                with pytest.raises(RuntimeError, match="draft token .* is out of range"):
+                    draft.greedy_chain(hidden, torch.tensor([10**6]), torch.tensor([0]), blocks, 2)
         runs.append((drafts, tokens))
         if fast:
-            assert calls, "the chain did not run"
+            assert len(calls) > 1, "the chain did not run"
             calls.clear()
     assert not calls
     assert runs[0] == runs[1]
