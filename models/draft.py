@@ -74,8 +74,9 @@ class DraftHead(nn.Module):
         assert self.embed_tokens is not None
         layer = self.layers[layer_index]
         # The target's embedding and hidden states, in the head's dtype (no-op when the same).
-        embeds = self.embed_tokens(token_ids).to(self.dtype)
-        hidden = hidden.to(self.dtype)
+        dtype = self.dtype
+        embeds = self.embed_tokens(token_ids).to(dtype)
+        hidden = hidden.to(dtype)
         if pick_rows is None:
             return layer(positions, embeds, hidden, meta)
         return layer(positions, embeds, hidden, meta, pick_rows=pick_rows)

@@ -512,13 +512,10 @@ def _main(ns: argparse.Namespace) -> int:
     na = {c: None for c in cfg.concurrency}
     # Rows in table order: a system, or a Row that says why it is missing.
     entries: list[Any] = []
-    systems: list[Any] = []
 
     def add(label: str, open_system: Callable[[], Any]) -> None:
         print(f"loading {label} ...", flush=True)
-        system = open_system()
-        systems.append(system)
-        entries.append(system)
+        entries.append(open_system())
 
     try:
         if ns.skip_transformers:
@@ -545,10 +542,11 @@ def _main(ns: argparse.Namespace) -> int:
                 continue
             add(name, lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]))
         print("running every system in turn ...", flush=True)
-        run_interleaved(systems, prompts, cfg)
+        run_interleaved([e for e in entries if not isinstance(e, Row)], prompts, cfg)
     finally:
-        for system in systems:
-            system.close()
+        for system in entries:
+            if not isinstance(system, Row):
+                system.close()
     rows: list[Row] = [e if isinstance(e, Row) else e.row for e in entries]
 
     size = (64 << 20) if ns.quick else (1 << 30)
