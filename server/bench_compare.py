@@ -39,6 +39,7 @@ BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
 BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"
 NONE = "none"  # --eagle3 none / --mtp none: skip that row
 BATCH1_PROMPTS = 4  # prompts timed one at a time for the batch-1 column
+SPEEDUP_GOAL = 1.6  # speculation's batch-1 goal over no speculation (README, "Speed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -162,6 +163,9 @@ class Row:
     by_concurrency: dict[int, float | None] = field(default_factory=dict)
     tokens_per_step: float | None = None
     note: str = ""
+    batch1_steps: int | None = None  # decode steps of the batch-1 column (Tandem rows)
+    batch1_tokens: int = 0
+    batch1_seconds: float = 0.0
 
 
 def _cycle(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -202,21 +206,24 @@ class TandemSystem:
             self.engine.step()
         self.before = self.engine.get_stats()
 
-    def batch1(self, ids: list[int]) -> tuple[int, float]:
-        """(tokens after the first, seconds after the first) of one request alone."""
+    def batch1(self, ids: list[int]) -> tuple[int, float, int]:
+        """(tokens after the first, seconds after the first, engine steps after the first) of
+        one request alone."""
         engine = self.engine
         engine.add_request(f"b1-{next(self.counter)}", ids, self.params)
         first = last = None
-        n = 0
+        n = steps = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
                 now = time.perf_counter()
-                if first is None and out.outputs[0].token_ids:
+                if first is not None:
+                    steps += 1
+                elif out.outputs[0].token_ids:
                     first = now
                 n, last = len(out.outputs[0].token_ids), now
         if first is None or last is None:
-            return 0, 0.0
-        return n - 1, last - first
+            return 0, 0.0, 0
+        return n - 1, last - first, steps
 
     def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
         """Output tokens/s with ``conc`` requests in flight until every prompt is done."""
@@ -319,10 +326,10 @@ class TransformersSystem:
             )
         return int(out.shape[0] * (out.shape[1] - width))
 
-    def batch1(self, ids: list[int]) -> tuple[int, float]:
+    def batch1(self, ids: list[int]) -> tuple[int, float, int | None]:
         timer = _StepTimes()
         self.generate([ids], timer)
-        return timer.decode()
+        return (*timer.decode(), None)  # generate's steps are not counted
 
     def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
         if self.helper is not None and conc > 1:
@@ -343,15 +350,17 @@ class TransformersSystem:
 def run_interleaved(systems: list[Any], prompts: list[list[int]], cfg: BenchConfig) -> None:
     """Every system's batch-1 figure, prompt by prompt in turn, then each concurrency in turn:
     the systems share the machine's slow and fast phases, so their ratios hold up to drift."""
-    decode = {id(s): [0, 0.0] for s in systems}
     for ids in prompts[: cfg.batch1_prompts]:
         for system in systems:
-            n, sec = system.batch1(ids)
-            decode[id(system)][0] += n
-            decode[id(system)][1] += sec
+            n, sec, steps = system.batch1(ids)
+            row = system.row
+            row.batch1_tokens += n
+            row.batch1_seconds += sec
+            if steps is not None:
+                row.batch1_steps = (row.batch1_steps or 0) + steps
     for system in systems:
-        n, sec = decode[id(system)]
-        system.row.batch1 = n / sec if sec > 0 else None
+        row = system.row
+        row.batch1 = row.batch1_tokens / row.batch1_seconds if row.batch1_seconds > 0 else None
     for conc in cfg.concurrency:
         for system in systems:
             system.row.by_concurrency[conc] = system.aggregate(prompts, conc)
@@ -439,6 +448,44 @@ def format_table(rows: list[Row], concurrency: list[int], baseline: dict[str, Ro
                 for v, b in zip(values(r), values(base), strict=True)
             ]
             out.append(line(r.name, cells))
+    return "\n".join(out)
+
+
+def _per_step(r: Row) -> tuple[float, float] | None:
+    """(ms per decode step, tokens per step) of a row's batch-1 column, when steps were counted."""
+    if not r.batch1_steps or r.batch1_seconds <= 0:
+        return None
+    return 1e3 * r.batch1_seconds / r.batch1_steps, r.batch1_tokens / r.batch1_steps
+
+
+def format_step_costs(rows: list[Row], plain: Row, goal: float = SPEEDUP_GOAL) -> str:
+    """Speculation's batch-1 speedup taken apart: tokens per step over the cost of a step in
+    plain (no speculation) steps, and what either would need to be for ``goal``."""
+    base = _per_step(plain)
+    measured = [(r, _per_step(r)) for r in rows]
+    measured = [(r, m) for r, m in measured if m is not None]
+    if base is None or not measured:
+        return "batch 1 per decode step: n/a (no steps counted)"
+    name_w = max(28, *(len(r.name) + 2 for r, _ in measured))
+    head = ("ms/step", "tok/step", "cost", "speedup")
+    out = [f"{'batch 1, per decode step':<{name_w}}" + "".join(f"{h:>10}" for h in head)]
+    needs = []
+    for r, (ms, tps) in measured:
+        cost = ms / base[0]
+        speedup = (tps / cost) / base[1]
+        cells = (f"{ms:.1f}", f"{tps:.2f}", f"{cost:.2f}x", f"{speedup:.2f}x")
+        out.append(f"{r.name:<{name_w}}" + "".join(f"{c:>10}" for c in cells))
+        if r is not plain:
+            needs.append(
+                f"  {r.name}: {goal * cost * base[1]:.2f} tokens/step at this step cost, or a "
+                f"step of at most {tps / (goal * base[1]):.2f} plain steps at {tps:.2f} tokens/step"
+            )
+    out.append(
+        "cost = ms/step over the plain step's; speedup = tok/step / cost (the batch-1 ratio)."
+    )
+    if needs:
+        out.append(f"for {goal:g}x at batch 1:")
+        out.extend(needs)
     return "\n".join(out)
 
 
@@ -561,6 +608,8 @@ def _main(ns: argparse.Namespace) -> int:
     print()
     print(format_table(rows, cfg.concurrency, {"vs transformers": rows[0], "vs tandem": rows[2]}))
     print()
+    print(format_step_costs(rows, rows[2]))
+    print()
     print(
         f"memory bandwidth: {bw['bandwidth'] / 2**30:.1f} GiB/s (best of copy "
         f"{bw['copy'] / 2**30:.1f}, sum {bw['sum'] / 2**30:.1f}; {bw['buffer_bytes'] / 2**20:.0f} MiB)"
@@ -587,6 +636,8 @@ def _main(ns: argparse.Namespace) -> int:
                 "batch1": r.batch1,
                 "concurrency": {str(c): v for c, v in r.by_concurrency.items()},
                 "tokens_per_step": r.tokens_per_step,
+                "batch1_ms_per_step": (_per_step(r) or (None, None))[0],
+                "batch1_tokens_per_step": (_per_step(r) or (None, None))[1],
                 "note": r.note,
             }
             for r in rows

@@ -11,6 +11,8 @@ import torch
 
 from checkpoints import build_eagle3_draft
 from server.bench_compare import (
+    Row,
+    format_step_costs,
     kv_bytes_per_step,
     measure_memory_bandwidth,
     roofline_tokens_per_s,
@@ -224,7 +226,35 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
     assert "one request at a time" in assistant["note"]
     for name in (f"tandem + eagle3 (K={K})", f"tandem + mtp (K={K})"):
         assert 1.0 <= by_name[name]["tokens_per_step"] <= K + 1
+        assert 1.0 <= by_name[name]["batch1_tokens_per_step"] <= K + 1
+    assert by_name["tandem"]["batch1_tokens_per_step"] == 1.0  # one token per plain step
+    assert by_name["transformers generate"]["batch1_ms_per_step"] is None  # steps not counted
+    # The per-step table: the three Tandem rows, and what 1.6x would need of each speculative one.
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("batch 1, per decode step"))
+    assert lines[at].split()[-4:] == ["ms/step", "tok/step", "cost", "speedup"]
+    assert [line.split()[0] for line in lines[at + 1 : at + 4]] == ["tandem"] * 3
+    assert lines[at + 1].split()[-2:] == ["1.00x", "1.00x"]  # plain: its own cost and speedup
+    assert sum("tokens/step at this step cost" in line for line in lines) == 2
     assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
+
+
+def test_step_costs_take_the_batch1_ratio_apart():
+    plain = Row("tandem", batch1_steps=63, batch1_tokens=63, batch1_seconds=2.0)
+    spec = Row("tandem + eagle3 (K=3)", batch1_steps=35, batch1_tokens=63, batch1_seconds=1.5)
+    other = Row("transformers generate", batch1_tokens=63, batch1_seconds=6.0)
+    out = format_step_costs([other, plain, spec], plain, goal=1.6)
+    cells = {line.split("  ")[0]: line.split()[-4:] for line in out.splitlines()[1:3]}
+    assert "transformers generate" not in out  # no counted steps, no row
+    assert cells["tandem"] == ["31.7", "1.00", "1.00x", "1.00x"]
+    # 42.9 ms for 1.8 tokens: 1.35 plain steps, 1.8 / 1.35 = 1.33x = (63 / 1.5) / (63 / 2.0)
+    assert cells["tandem + eagle3 (K=3)"] == ["42.9", "1.80", "1.35x", "1.33x"]
+    need = next(line for line in out.splitlines() if "tokens/step at this step cost" in line)
+    words = need.split()
+    # 1.6 x 1.35 = 2.16 tokens/step; 1.8 / 1.6 = 1.125 plain steps
+    assert float(words[words.index("tokens/step") - 1]) == pytest.approx(2.16, abs=0.006)
+    assert float(words[words.index("most") + 1]) == pytest.approx(1.125, abs=0.006)
+    assert format_step_costs([other], other).endswith("n/a (no steps counted)")
 
 
 def test_compare_names_why_a_row_is_missing(tmp_path_factory, tmp_path, capsys):
@@ -253,8 +283,9 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
     )  # fmt: skip
     assert rc == 0
     name = f"tandem + mtp (K={K}, off at 2+)"
-    # Its line in the tokens/s table and in the vs-tandem table (no transformers baseline).
-    assert sum(line.startswith(name + " ") for line in capsys.readouterr().out.splitlines()) == 2
+    # Its line in the tokens/s table, the vs-tandem table (no transformers baseline) and the
+    # per-step table.
+    assert sum(line.startswith(name + " ") for line in capsys.readouterr().out.splitlines()) == 3
     row = {r["name"]: r for r in json.loads(result.read_text())["rows"]}[name]
     assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
     assert 1.0 <= row["tokens_per_step"] <= K + 1
