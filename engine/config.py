@@ -135,6 +135,7 @@ class CUDAGraphConfig:
 
 SPEC_METHODS = ("eagle3", "mtp")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_VOCABS = ("auto", "full")
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ class SpeculativeConfig:
     # for a CPU fp32 target with a head stored in bfloat16, which then runs in bfloat16 (half the
     # bytes per draft pass; verification keeps the output the target's).
     draft_dtype: str = "auto"
+    # MTP: "auto" drafts from the head's reduced vocabulary when its checkpoint has one (a
+    # ``d2t`` tensor: a draft pass then reads only those rows of the LM head); "full" drafts
+    # from the target's whole vocabulary. Either way the target verifies every token.
+    draft_vocab: str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -206,6 +211,15 @@ class SpeculativeConfig:
         if self.method != "eagle3" and self.draft_dtype != "auto":
             # MTP layers share the target's embedding and LM head, so they run in its dtype.
             raise ValueError("speculative_config.draft_dtype applies to method 'eagle3' only")
+        _require(
+            self.draft_vocab in DRAFT_VOCABS,
+            "speculative_config.draft_vocab",
+            self.draft_vocab,
+            f"one of {DRAFT_VOCABS}",
+        )
+        if self.method != "mtp" and self.draft_vocab != "auto":
+            # An Eagle3 head's vocabulary is its own LM head's.
+            raise ValueError("speculative_config.draft_vocab applies to method 'mtp' only")
         layers = self.eagle3_layers_to_capture
         if layers is not None:
             _require(

@@ -246,4 +246,16 @@ def load_draft(
     draft.bind_target(target)
     loaded = draft.load_weights(iterate_checkpoint(files, "loading MTP"), first, available)
     check_complete(draft, loaded, folder)
+    d2t = find_tensor(files, "d2t")
+    if getattr(spec, "draft_vocab", "auto") == "auto" and d2t is not None:
+        draft.use_draft_vocab(d2t)
     return draft.eval()
+
+
+def find_tensor(files: list[Path], name: str) -> torch.Tensor | None:
+    """One tensor of a checkpoint by name, None when no file holds it."""
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            if name in fh.keys():  # noqa: SIM118
+                return fh.get_tensor(name)
+    return None

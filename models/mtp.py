@@ -13,7 +13,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata
 from models.draft import DraftHead, post_attention
-from models.layers import ReplicatedLinear, RMSNorm
+from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 from models.llama import LlamaAttention, LlamaMLP
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
@@ -86,6 +86,11 @@ class MTPDraft(DraftHead):
         self.mtp_layers = nn.ModuleList(make() for _ in range(num_layers))
         self.lm_head: nn.Module | None = None
         self.draft_vocab_size = int(config.vocab_size)
+        self.mapping = mapping
+        # Set by ``use_draft_vocab``: the target's LM-head rows of a reduced draft vocabulary.
+        self.draft_lm_head: ParallelLMHead | None = None
+        self.d2t: torch.Tensor | None
+        self.register_buffer("d2t", None)
 
     def bind_target(self, target: nn.Module) -> None:
         """Share the target's embedding and LM head (not registered as draft parameters)."""
@@ -96,17 +101,49 @@ class MTPDraft(DraftHead):
     def layers(self) -> list[nn.Module]:
         return list(self.mtp_layers)
 
-    def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+    def use_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Propose from a reduced vocabulary (target id = draft id + ``d2t[draft id]``): a draft
+        LM head of the target's rows of those tokens, so a draft pass reads len(d2t) rows of
+        the LM head instead of the whole vocabulary. Verification still scores every token, so
+        the output is unchanged; a token outside the vocabulary is never drafted. Call after
+        ``bind_target``, on every rank (under TP the rows are gathered from the LM-head
+        shards)."""
         assert self.lm_head is not None
-        return self.lm_head.compute_logits(self.final_norm(layer_index, hidden))
+        d2t = d2t.to(torch.int64).cpu()
+        ids = d2t + torch.arange(d2t.numel())
+        vocab = int(self.config.vocab_size)
+        if d2t.dim() != 1 or d2t.numel() == 0 or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"the MTP draft vocabulary (d2t) maps outside [0, {vocab})")
+        if bool((ids[1:] <= ids[:-1]).any()):
+            raise ValueError("the MTP draft vocabulary (d2t) must list ascending target ids")
+        weight = self.lm_head.weight
+        with torch.no_grad():  # every rank gets every row (an all-reduce under TP)
+            rows = VocabParallelEmbedding.forward(self.lm_head, ids.to(weight.device))
+        with torch.device(weight.device):
+            head = ParallelLMHead(ids.numel(), weight.shape[1], self.mapping.attn_mapping)
+        head.weight.data = head.weight.data.to(weight.dtype)
+        head.weight_loader(head.weight, rows)
+        self.draft_lm_head = head
+        self.register_buffer("d2t", d2t.to(weight.device))
+        self.draft_vocab_size = ids.numel()
+
+    def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (the target's whole vocabulary by default)."""
+        head = self.draft_lm_head or self.lm_head
+        assert head is not None
+        return head.compute_logits(self.final_norm(layer_index, hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def final_norm(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.mtp_layers[layer_index].shared_head.norm(hidden)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        assert self.lm_head is not None
-        return self.lm_head.weight
+        head = self.draft_lm_head or self.lm_head
+        assert head is not None
+        return head.weight
 
     def load_weights(
         self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int

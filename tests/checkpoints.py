@@ -153,6 +153,25 @@ def _write_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
+def mtp_head_with_vocab(src: Path, dst: Path, vocab: list[int]) -> Path:
+    """The MTP layers of checkpoint ``src`` as a head folder at ``dst`` (the target's config,
+    only ``model.layers.{L + i}.*``) that drafts from ``vocab`` (target ids, as listed): a
+    ``d2t`` tensor, target id = draft id + d2t[draft id]."""
+    dst.mkdir(parents=True)
+    config = (src / "config.json").read_text()
+    (dst / "config.json").write_text(config)
+    first = json.loads(config)["num_hidden_layers"]
+    state = {
+        k: v
+        for k, v in _read_state(src).items()
+        if k.startswith("model.layers.") and int(k.split(".")[2]) >= first
+    }
+    ids = torch.tensor(vocab, dtype=torch.int64)
+    state["d2t"] = ids - torch.arange(len(ids))
+    _write_state(dst, state)
+    return dst
+
+
 def zero_residual_writes(folder: Path) -> None:
     """Make every target layer add nothing to the residual stream (o_proj = down_proj = 0):
     the next token then depends only on the current one."""

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
+from checkpoints import (
+    add_mtp_layers,
+    build_eagle3_draft,
+    build_llama,
+    mtp_head_with_vocab,
+    zero_residual_writes,
+)
 from engine import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
@@ -127,6 +133,82 @@ def test_perfect_draft_reaches_k_plus_one(models, k: int, mode: str) -> None:
     assert stats.num_draft_tokens == stats.num_accepted_tokens == steps * k * len(PROMPTS)
 
 
+def test_mtp_draft_vocabulary(models, tmp_path: Path) -> None:
+    """An MTP checkpoint with a ``d2t`` drafts from that vocabulary only (a draft LM head of the
+    target's rows of those tokens): with the perfect draft, every step still takes k + 1 tokens
+    while the vocabulary holds what the target says; without one of those tokens it is never
+    drafted and acceptance falls, the output unchanged; ``draft_vocab: "full"`` ignores it."""
+    k, steps = 3, 5
+    params = SamplingParams(temperature=0, max_tokens=1 + steps * (k + 1), ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    with LLM(str(models["perfect"])) as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+        target_head = llm.engine.executor.worker.model.lm_head.weight.detach().clone()
+    said = sorted({t for out in base for t in out})
+    counts = {t: sum(out.count(t) for out in base) for t in said}
+    dropped = max(said, key=lambda t: counts[t])
+    vocab_size = int(json.loads((models["perfect"] / "config.json").read_text())["vocab_size"])
+    extra = [t for t in range(0, vocab_size, 7) if t not in said]
+    ids = sorted(said + extra)
+    full_vocab = mtp_head_with_vocab(models["perfect"], tmp_path / "all", ids)
+    short = sorted(set(ids) - {dropped})
+    short_vocab = mtp_head_with_vocab(models["perfect"], tmp_path / "short", short)
+
+    def run(head: Path, **extra_spec: str) -> tuple:
+        extra_spec["model"] = str(head)
+        with LLM(str(models["perfect"]), speculative_config={**spec, **extra_spec}) as llm:
+            engine = llm.engine
+            draft = engine.executor.worker.runner.spec.draft
+            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
+            drafted: list[int] = []
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    drafted += list(reqs[out.request_id].spec_token_ids)
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            return [tokens[f"r{i}"] for i in range(len(PROMPTS))], drafted, engine.spec_stats, draft
+
+    out, drafted, stats, draft = run(full_vocab)
+    assert out == base and stats.mean_tokens_per_step == k + 1
+    assert draft.draft_vocab_size == len(ids) and set(drafted) <= set(ids) and drafted
+    assert torch.equal(draft.lm_head_weight, target_head[ids])  # the target's own rows
+    assert torch.equal(draft.to_target_ids(torch.arange(len(ids))), torch.tensor(ids))
+
+    out, drafted, stats, _ = run(short_vocab)
+    assert out == base and dropped not in drafted and drafted
+    assert stats.mean_tokens_per_step < k + 1
+    assert set(drafted) <= set(short)
+
+    out, _, stats, draft = run(full_vocab, draft_vocab="full")
+    assert out == base and stats.mean_tokens_per_step == k + 1
+    assert draft.draft_lm_head is None and draft.draft_vocab_size == vocab_size
+
+    # Sampled drafts: q puts no mass outside the vocabulary; the run completes.
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3)
+    with LLM(str(models["perfect"]), speculative_config={**spec, "model": str(short_vocab)}) as llm:
+        engine = llm.engine
+        decoder = engine.executor.worker.runner.spec
+        engine.add_request("s", PROMPTS[1], sampled)
+        seen = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            for q in decoder.draft_q.values():
+                outside = torch.ones(q.shape[-1], dtype=torch.bool)
+                outside[short] = False
+                assert torch.allclose(q.sum(-1), torch.ones(q.shape[0]), atol=1e-4)
+                assert float(q[:, outside].abs().max()) == 0.0
+                seen += 1
+        assert seen > 0
+
+    for name, vocab, why in (
+        ("out", [0, vocab_size], "maps outside"),
+        ("desc", [5, 3], "ascending"),
+    ):
+        bad = mtp_head_with_vocab(models["perfect"], tmp_path / name, vocab)
+        with pytest.raises(ValueError, match=why):
+            LLM(str(models["perfect"]), speculative_config={**spec, "model": str(bad)})
+
+
 def test_random_draft_is_near_one_token_per_step(models, baseline) -> None:
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
     with LLM(str(models["target"]), speculative_config=_spec(models, "eagle3", 3)) as llm:
@@ -161,6 +243,10 @@ def test_configuration_errors(models, tmp_path: Path) -> None:
         LLM(t, speculative_config={"method": "eagle3", "model": "x", "draft_dtype": "int8"})
     with pytest.raises(ValueError, match="draft_dtype applies to method 'eagle3' only"):
         LLM(t, speculative_config={"method": "mtp", "draft_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="speculative_config.draft_vocab"):
+        LLM(t, speculative_config={"method": "mtp", "draft_vocab": "small"})
+    with pytest.raises(ValueError, match="draft_vocab applies to method 'mtp' only"):
+        LLM(t, speculative_config={"method": "eagle3", "model": "x", "draft_vocab": "full"})
     # A target without MTP layers.
     plain = build_llama(tmp_path / "plain")
     with pytest.raises(ValueError, match="no MTP layers"):

@@ -5,6 +5,7 @@ loop, resume, the shipped prompt sets and the shipped heads of the built-in mode
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -353,6 +354,29 @@ def test_resume_continues_the_same_run(target: Path, trained: dict[str, Path], t
     assert torch.load(tmp_path / "part" / STATE_FILE, weights_only=False)["total_steps"] == 11
 
 
+def test_mtp_fine_tune_keeps_the_heads_draft_vocabulary(
+    target: Path, trained: dict[str, Path], tmp_path: Path
+) -> None:
+    """An MTP head with a draft vocabulary (``d2t``) fine-tuned, stopped and resumed: every
+    export carries the same ``d2t``."""
+    from safetensors.torch import load_file, save_file
+
+    init = tmp_path / "init"
+    shutil.copytree(trained["mtp"], init)
+    state = load_file(str(init / "model.safetensors"))
+    ids = torch.arange(0, 300, 3)
+    state["d2t"] = ids - torch.arange(len(ids))
+    save_file(state, str(init / "model.safetensors"))
+    responses = str(trained["eagle3"] / "responses.jsonl")
+    args = _args("mtp", tmp_path / "ft", target, responses=responses, init_from=str(init))
+    args.max_steps, args.time_limit_s = 3, 0.0  # stops after its first step
+    assert train_draft(args).steps == 1
+    assert torch.equal(load_file(str(tmp_path / "ft" / "model.safetensors"))["d2t"], state["d2t"])
+    args.time_limit_s, args.resume = None, True
+    assert train_draft(args).steps == 3
+    assert torch.equal(load_file(str(tmp_path / "ft" / "model.safetensors"))["d2t"], state["d2t"])
+
+
 def test_feature_cache_is_per_sequence_and_survives_more_data(
     target: Path, trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -645,7 +669,8 @@ def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
     )
     draft = load_draft(spec, target, folder, torch.float32, "meta")
     assert all(p.dtype == torch.float32 for p in draft.parameters())
-    assert draft.lm_head_weight.shape[1] == 576
+    # Both draft from the 12288 most frequent answer tokens (the MTP head: the Eagle3 head's).
+    assert draft.lm_head_weight.shape == (12288, 576) and draft.draft_vocab_size == 12288
 
 
 def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -> None:

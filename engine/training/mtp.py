@@ -49,6 +49,7 @@ class MTPHead:
             bool(type(target).qk_norm),
         )
         self.draft.bind_target(target)
+        self.d2t: torch.Tensor | None = None  # a draft vocabulary carried over by load_head
         self._init(target, seed)
         for p in self.draft.parameters():
             p.requires_grad_(True)
@@ -108,15 +109,18 @@ class MTPHead:
             f"model.layers.{first}.{name.removeprefix('mtp_layers.0.')}": value
             for name, value in unfused_state(self.draft).items()
         }
+        if self.d2t is not None:
+            tensors["d2t"] = self.d2t
         config = json.loads((self.target_path / "config.json").read_text())
         config["num_nextn_predict_layers"] = 1
         save_head(folder, tensors, config)
 
     def load_head(self, folder: str | os.PathLike) -> None:
-        """Start from a saved MTP head's weights."""
-        from models.loader import iterate_checkpoint, safetensors_files
+        """Start from a saved MTP head's weights (and keep its draft vocabulary, if any)."""
+        from models.loader import find_tensor, iterate_checkpoint, safetensors_files
 
         first = int(self.target_config.num_hidden_layers)
+        self.d2t = find_tensor(safetensors_files(folder), "d2t")
         files = iterate_checkpoint(safetensors_files(folder))
         loaded = self.draft.load_weights(files, first, 1)
         missing = self.draft.expected_weights() - loaded
@@ -124,4 +128,4 @@ class MTPHead:
             raise ValueError(f"{folder} is missing tensors: {sorted(missing)[:5]}")
 
     def extra_state(self) -> dict[str, Any]:
-        return {}
+        return {"mtp_d2t": self.d2t}

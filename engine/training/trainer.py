@@ -297,6 +297,8 @@ def train_draft(args: TrainArgs) -> TrainResult:
         head.input_scale = saved["input_scale"]
     elif hasattr(head, "set_input_scale"):  # a new Eagle3 head: from the first batch
         head.set_input_scale(store.get(D.epoch_order(nb, 0, args.seed)[0]).aux)
+    if saved and saved.get("mtp_d2t") is not None:  # an MTP head's carried draft vocabulary
+        head.d2t = saved["mtp_d2t"]
     if saved:
         draft.load_state_dict(saved["draft"])
         opt.load_state_dict(saved["optimizer"])
