@@ -7,10 +7,10 @@
 
 at batch 1 (decode only: tokens after the first / time after the first) and aggregate at each
 ``--concurrency`` (that many requests in flight, prefill included). Ratios are printed against
-transformers and against Tandem without speculation, with the machine's measured memory
-bandwidth and the batch-1 roofline: bandwidth / bytes one decode step reads (every weight a step
-reads — the tied embedding / LM head once, an untied input embedding not at all, since a step
-reads one row of it — plus the KV cache at the mean context length). Every system is loaded
+transformers and against Tandem without speculation, with the machine's memory bandwidth (probed
+between the batch-1 prompts) and the batch-1 roofline: bandwidth / bytes one decode step reads
+(every weight a step reads — the tied embedding / LM head once, an untied input embedding not at
+all, since a step reads one row of it — plus the KV cache at the mean context length). Every system is loaded
 first and they run in turn (prompt by prompt for the batch-1 column, then concurrency by
 concurrency), so that a machine whose speed drifts during the run slows every row alike.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -347,10 +348,19 @@ class TransformersSystem:
         gc.collect()
 
 
-def run_interleaved(systems: list[Any], prompts: list[list[int]], cfg: BenchConfig) -> None:
+def run_interleaved(
+    systems: list[Any],
+    prompts: list[list[int]],
+    cfg: BenchConfig,
+    probe: Callable[[], float] | None = None,
+) -> list[float]:
     """Every system's batch-1 figure, prompt by prompt in turn, then each concurrency in turn:
-    the systems share the machine's slow and fast phases, so their ratios hold up to drift."""
+    the systems share the machine's slow and fast phases, so their ratios hold up to drift.
+    ``probe`` (memory bandwidth) runs after each batch-1 prompt round; returns its values."""
+    probes: list[float] = []
     for ids in prompts[: cfg.batch1_prompts]:
+        if probe is not None:
+            probes.append(probe())
         for system in systems:
             n, sec, steps = system.batch1(ids)
             row = system.row
@@ -358,12 +368,15 @@ def run_interleaved(systems: list[Any], prompts: list[list[int]], cfg: BenchConf
             row.batch1_seconds += sec
             if steps is not None:
                 row.batch1_steps = (row.batch1_steps or 0) + steps
+    if probe is not None:
+        probes.append(probe())
     for system in systems:
         row = system.row
         row.batch1 = row.batch1_tokens / row.batch1_seconds if row.batch1_seconds > 0 else None
     for conc in cfg.concurrency:
         for system in systems:
             system.row.by_concurrency[conc] = system.aggregate(prompts, conc)
+    return probes
 
 
 # ----------------------------------------------------------------------------- main
@@ -589,7 +602,15 @@ def _main(ns: argparse.Namespace) -> int:
                 continue
             add(name, lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]))
         print("running every system in turn ...", flush=True)
-        run_interleaved([e for e in entries if not isinstance(e, Row)], prompts, cfg)
+        # The roofline's bandwidth is probed between the batch-1 prompts: the same phase of a
+        # machine whose speed drifts as the batch-1 figures it bounds.
+        probe_bytes = (16 << 20) if ns.quick else (256 << 20)
+        probes = run_interleaved(
+            [e for e in entries if not isinstance(e, Row)],
+            prompts,
+            cfg,
+            lambda: measure_memory_bandwidth(probe_bytes, 2, ns.device)["bandwidth"],
+        )
     finally:
         for system in entries:
             if not isinstance(system, Row):
@@ -602,7 +623,8 @@ def _main(ns: argparse.Namespace) -> int:
     context = sum(map(len, prompts[: cfg.batch1_prompts])) / cfg.batch1_prompts + ns.max_tokens / 2
     weights = weight_bytes_per_step(config, dtype_bytes)
     kv = kv_bytes_per_step(config, dtype_bytes, context)
-    roof = roofline_tokens_per_s(bw["bandwidth"], weights + kv)
+    during = statistics.median(probes)
+    roof = roofline_tokens_per_s(during, weights + kv)
     ours = rows[2].batch1
 
     print()
@@ -611,8 +633,11 @@ def _main(ns: argparse.Namespace) -> int:
     print(format_step_costs(rows, rows[2]))
     print()
     print(
-        f"memory bandwidth: {bw['bandwidth'] / 2**30:.1f} GiB/s (best of copy "
-        f"{bw['copy'] / 2**30:.1f}, sum {bw['sum'] / 2**30:.1f}; {bw['buffer_bytes'] / 2**20:.0f} MiB)"
+        f"memory bandwidth: {during / 2**30:.1f} GiB/s during the batch-1 column (median of "
+        f"{len(probes)} probes around its prompts, {min(probes) / 2**30:.1f}-"
+        f"{max(probes) / 2**30:.1f}; {probe_bytes >> 20} MiB); {bw['bandwidth'] / 2**30:.1f} after "
+        f"the run (best of copy {bw['copy'] / 2**30:.1f}, sum {bw['sum'] / 2**30:.1f}; "
+        f"{bw['buffer_bytes'] / 2**20:.0f} MiB)"
     )
     print(
         f"bytes per decode step: weights {weights / 2**20:.1f} MiB + KV {kv / 2**20:.2f} MiB "
@@ -643,7 +668,9 @@ def _main(ns: argparse.Namespace) -> int:
             for r in rows
         ],
         "memory_bandwidth": bw,
+        "memory_bandwidth_batch1_probes": probes,
         "bytes_per_step": {"weights": weights, "kv": kv, "context_len": context},
+        "roofline_bandwidth": during,
         "roofline_tokens_per_s": roof,
         "roofline_fraction": ours / roof if ours else None,
     }

@@ -237,6 +237,11 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
     assert lines[at + 1].split()[-2:] == ["1.00x", "1.00x"]  # plain: its own cost and speedup
     assert sum("tokens/step at this step cost" in line for line in lines) == 2
     assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
+    # The roofline's bandwidth: probed before and after the one batch-1 prompt (quick).
+    probes = data["memory_bandwidth_batch1_probes"]
+    assert len(probes) == 2 and min(probes) > 0
+    assert min(probes) <= data["roofline_bandwidth"] <= max(probes)
+    assert "during the batch-1 column (median of 2 probes" in out
 
 
 def test_step_costs_take_the_batch1_ratio_apart():
