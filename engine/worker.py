@@ -13,7 +13,6 @@ from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
 from kernels.cpu_decode import MAX_ROWS
-from models.eagle3 import enable_cpu_fast_draft
 from models.layers import pack_cpu_linears, use_cpu_matvec_linears, use_cpu_matvec_lm_heads
 from models.llama import enable_cpu_fast_path
 from models.loader import load_draft, load_model
@@ -83,7 +82,8 @@ class Worker:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
                 if spec is not None:
                     use_cpu_matvec_lm_heads(spec.draft)
-                    enable_cpu_fast_draft(spec.draft)
+                    why = spec.draft.enable_cpu_fast_path()
+                    logger.info("CPU draft fast path %s", "on" if why is None else f"off: {why}")
                     use_cpu_matvec_linears(spec.draft)  # what the draft runs eagerly
             else:
                 logger.info("CPU decode fast path off: %s", reason)

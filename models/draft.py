@@ -44,6 +44,11 @@ class DraftHead(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
+    def enable_cpu_fast_path(self) -> str | None:
+        """Run the head's layers through ``kernels/cpu_decode`` where they qualify (the caller
+        has loaded the extension); returns why not (None: enabled)."""
+        return f"no CPU fast path for {type(self).__name__}"
+
     def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """The draft's hidden input from captured target states (Eagle3 only)."""
         raise NotImplementedError

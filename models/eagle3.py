@@ -30,7 +30,7 @@ from models.weights import expected_keys, load_named_weights
 
 class Eagle3MidLayer(nn.Module):
     supports_pick_rows = True
-    fast_path: Eagle3FastPath | None = None  # set by ``enable_cpu_fast_draft``
+    fast_path: Eagle3FastPath | None = None  # set by ``Eagle3Draft.enable_cpu_fast_path``
 
     def __init__(self, config: Any, mapping: ParallelMapping) -> None:
         super().__init__()
@@ -162,19 +162,6 @@ class Eagle3FastPath:
         )
 
 
-def enable_cpu_fast_draft(draft: nn.Module) -> str | None:
-    """Give an Eagle3 draft's midlayer the CPU fast path when it qualifies (the caller has
-    loaded the extension); returns why not (None: enabled)."""
-    if not isinstance(draft, Eagle3Draft):
-        return "not an Eagle3 draft"
-    layer = draft.midlayer
-    weights = Eagle3FastPath.layer_weights(layer)
-    reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
-    if reason is None:
-        layer.fast_path = Eagle3FastPath(layer)
-    return reason
-
-
 class Eagle3Draft(DraftHead):
     def __init__(self, config: Any, target_config: Any, mapping: ParallelMapping) -> None:
         super().__init__()
@@ -206,6 +193,16 @@ class Eagle3Draft(DraftHead):
     @property
     def layers(self) -> list[nn.Module]:
         return [self.midlayer]
+
+    def enable_cpu_fast_path(self) -> str | None:
+        """Give the midlayer the CPU fast path when it qualifies (the caller has loaded the
+        extension); returns why not (None: enabled)."""
+        layer = self.midlayer
+        weights = Eagle3FastPath.layer_weights(layer)
+        reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
+        if reason is None:
+            layer.fast_path = Eagle3FastPath(layer)
+        return reason
 
     def combine_hidden(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """fc over the concatenated captured target states: [T, 3H] → [T, H]."""

@@ -11,10 +11,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_decode
 from models.attention import AttentionMetadata
 from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
-from models.llama import LlamaAttention, LlamaMLP
+from models.llama import (
+    CpuStackFastPath,
+    LlamaAttention,
+    LlamaMLP,
+    fast_layer_unsupported,
+    fast_path_accepts,
+    fast_step_rows,
+    fast_weights,
+    share_fast_weights,
+)
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
 
@@ -27,6 +37,7 @@ class SharedHead(nn.Module):
 
 class MTPLayer(nn.Module):
     supports_pick_rows = True
+    fast_path: MTPFastPath | None = None  # set by ``MTPDraft.enable_cpu_fast_path``
 
     def __init__(
         self,
@@ -60,10 +71,62 @@ class MTPLayer(nn.Module):
     ) -> torch.Tensor:
         """Attention on every row (it writes this layer's KV for each); residual, norm and MLP
         only on ``pick_rows`` when given. Returns the pre-norm output."""
+        if self.fast_path is not None and self.fast_path.accepts(embeds, meta):
+            return self.fast_path(positions, embeds, hidden, meta, pick_rows)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         residual = x
         x = self.self_attn(positions, self.input_layernorm(x), meta)
         return post_attention(self, x, residual, meta, pick_rows)
+
+
+class MTPFastPath:
+    """An MTP layer on a Llama decoder block through ``kernels/cpu_decode``: ``eh_proj`` over
+    the normed inputs, then the block as a one-layer ``llama_stack`` (its output is the
+    residual stream after that layer), for steps of at most ``MAX_ROWS`` rows; the eager
+    ``MTPLayer.forward`` is its reference and runs every other step."""
+
+    def __init__(self, layer: MTPLayer) -> None:
+        attn = layer.self_attn
+        self.layer = layer
+        self.attention = attn.attn
+        self.weights = fast_weights(CpuStackFastPath.layer_weights(layer))
+        share_fast_weights(attn, layer.mlp, [self.weights[i] for i in (1, 2, 4, 5)])
+        self.dtype = self.weights[0].dtype
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.intermediate = layer.mlp.down_proj.weight.shape[1]
+        self.eps = float(layer.input_layernorm.eps)
+        self.scale = float(attn.attn.scale)
+        self.cos_sin = attn.rotary_emb.cos_sin
+
+    def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return embeds.dtype == self.dtype and fast_path_accepts(
+            embeds.shape[0], meta, self.attention, self.dtype
+        )
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        layer = self.layer
+        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
+        caches = [self.attention.k_cache, self.attention.v_cache]
+        _, out = cpu_decode.llama_stack(
+            x.contiguous(),
+            fast_step_rows(positions, meta),
+            self.weights,
+            caches,
+            layer.shared_head.norm.weight.detach(),
+            self.cos_sin,
+            (*self.shape, caches[0].shape[1], self.intermediate),
+            self.eps,
+            self.scale,
+            [0],
+        )
+        return out if pick_rows is None else out[pick_rows]
 
 
 class MTPDraft(DraftHead):
@@ -100,6 +163,20 @@ class MTPDraft(DraftHead):
     @property
     def layers(self) -> list[nn.Module]:
         return list(self.mtp_layers)
+
+    def enable_cpu_fast_path(self) -> str | None:
+        """Give every MTP layer on a plain Llama block the CPU fast path (the caller has loaded
+        the extension); returns why not (None: enabled)."""
+        for layer in self.mtp_layers:
+            if not isinstance(layer, MTPLayer):
+                return "not an MTP layer"
+            weights = CpuStackFastPath.layer_weights(layer)
+            reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
+            if reason is not None:
+                return reason
+        for layer in self.mtp_layers:
+            layer.fast_path = MTPFastPath(layer)
+        return None
 
     def use_draft_vocab(self, d2t: torch.Tensor) -> None:
         """Propose from a reduced vocabulary (target id = draft id + ``d2t[draft id]``): a draft

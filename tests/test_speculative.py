@@ -352,6 +352,58 @@ def test_fast_draft_chain_proposes_the_loops_drafts(
     assert any(d for d in runs[0][0])
 
 
+@pytest.mark.parametrize("method", ["mtp-eagle", "mtp-vanilla"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_mtp_layers_propose_the_eager_drafts(models, method: str, dtype: str, monkeypatch):
+    """On CPU, MTP layers on a Llama block run through the extension (``eh_proj``, then the
+    block as a one-layer ``llama_stack``): after every engine step, the drafts of the eager
+    layers (fp32; bf16: all but a few rounding flips), and the same output."""
+    from kernels import cpu_decode
+
+    if cpu_decode.unavailable_reason() is not None:
+        pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
+    one_layer: list[int] = []
+    stack = cpu_decode.llama_stack
+    monkeypatch.setattr(
+        cpu_decode,
+        "llama_stack",
+        lambda x, rows, w, caches, *a: (
+            (len(caches) == 2 and one_layer.append(1)) or stack(x, rows, w, caches, *a)
+        ),
+    )
+    target = models["vanilla" if method == "mtp-vanilla" else "target"]
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    runs = []
+    for fast in (True, False):
+        with LLM(str(target), dtype=dtype, speculative_config=_spec(models, method, 3)) as llm:
+            engine = llm.engine
+            layers = engine.executor.worker.runner.spec.draft.layers
+            assert all(layer.fast_path is not None for layer in layers)
+            if not fast:
+                for layer in layers:
+                    layer.fast_path = None
+            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
+            drafts: list[list[int]] = []
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    drafts.append(list(reqs[out.request_id].spec_token_ids))
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+        runs.append((drafts, tokens))
+        if fast:
+            assert len(one_layer) > 1, "the MTP fast path did not run"
+            one_layer.clear()
+    assert not one_layer
+    assert runs[0][1] == runs[1][1]  # the output: the target's, whatever was drafted
+    assert any(d for d in runs[0][0])
+    if dtype == "float32":
+        assert runs[0][0] == runs[1][0]
+    else:  # bf16: the extension rounds less often than the eager ops; a rare draft may differ
+        fast_drafts, eager_drafts = (sum(r[0], []) for r in runs)
+        same = sum(a == b for a, b in zip(fast_drafts, eager_drafts, strict=False))
+        assert same >= 0.95 * max(len(fast_drafts), len(eager_drafts))
+
+
 def test_logprobs_under_speculation_are_the_targets(models) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     with LLM(str(models["target"])) as llm:
