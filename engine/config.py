@@ -152,9 +152,11 @@ class SpeculativeConfig:
     # Steps that run at least this many requests (all ranks together) propose no drafts: the
     # next step decodes one token per request. None: always speculate.
     disable_by_batch_size: int | None = None
-    # The Eagle3 head's weights, activations and KV cache: "auto" is the target's dtype, except
-    # for a CPU fp32 target with a head stored in bfloat16, which then runs in bfloat16 (half the
-    # bytes per draft pass; verification keeps the output the target's).
+    # The draft head's weights, activations and KV cache (an MTP head's LM head too when it has
+    # a draft vocabulary; the whole-vocabulary LM head stays the target's): "auto" is the
+    # target's dtype, except for a CPU fp32 target with a head stored in bfloat16, which then
+    # runs in bfloat16 (half the bytes per draft pass; verification keeps the output the
+    # target's).
     draft_dtype: str = "auto"
     # MTP: "auto" drafts from the head's reduced vocabulary when its checkpoint has one (a
     # ``d2t`` tensor: a draft pass then reads only those rows of the LM head); "full" drafts
@@ -208,9 +210,6 @@ class SpeculativeConfig:
             self.draft_dtype,
             f"one of {DRAFT_DTYPES}",
         )
-        if self.method != "eagle3" and self.draft_dtype != "auto":
-            # MTP layers share the target's embedding and LM head, so they run in its dtype.
-            raise ValueError("speculative_config.draft_dtype applies to method 'eagle3' only")
         _require(
             self.draft_vocab in DRAFT_VOCABS,
             "speculative_config.draft_vocab",

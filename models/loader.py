@@ -151,19 +151,19 @@ def stored_float_dtype(folder: str | os.PathLike) -> torch.dtype | None:
 
 
 def resolve_draft_dtype(
-    spec: Any, target_dtype: torch.dtype, device: str | torch.device
+    spec: Any, target_dtype: torch.dtype, device: str | torch.device, folder: str | os.PathLike
 ) -> torch.dtype:
-    """The dtype an Eagle3 head runs in (``speculative_config.draft_dtype``). ``"auto"``: the
+    """The dtype a draft head runs in (``speculative_config.draft_dtype``). ``"auto"``: the
     target's, but a CPU fp32 target runs a head stored in bfloat16 in bfloat16: draft passes are
-    bound by reading weights, and the stored values lose nothing."""
+    bound by reading weights, and the stored values lose nothing. ``folder``: the head's
+    checkpoint (an MTP head's may be the target's own)."""
     name = getattr(spec, "draft_dtype", "auto")
     if name != "auto":
         return resolve_dtype(name, None)
     if (
-        spec.method == "eagle3"
-        and torch.device(device).type == "cpu"
+        torch.device(device).type == "cpu"
         and target_dtype == torch.float32
-        and stored_float_dtype(spec.model) == torch.bfloat16
+        and stored_float_dtype(folder) == torch.bfloat16
     ):
         return torch.bfloat16
     return target_dtype
@@ -192,7 +192,7 @@ def load_draft(
                 f"{folder} is not an Eagle3 draft: architectures {sorted(archs)}; expected "
                 "LlamaForCausalLM or LlamaForCausalLMEagle3"
             )
-        with default_dtype(resolve_draft_dtype(spec, dtype, device)), torch.device(device):
+        with default_dtype(resolve_draft_dtype(spec, dtype, device, folder)), torch.device(device):
             draft = Eagle3Draft(config, target_config, mapping)
         draft.bind_target(target)
         loaded = draft.load_weights(iterate_checkpoint(safetensors_files(folder), "loading draft"))
@@ -232,7 +232,15 @@ def load_draft(
         )
     num_layers = 1 if spec.mtp_mode == "eagle" else spec.num_speculative_tokens
     build_mtp = getattr(target, "build_mtp_draft", None)  # a family with its own MTP block
-    with default_dtype(dtype), torch.device(device):
+    draft_dtype = resolve_draft_dtype(spec, dtype, device, folder)
+    if build_mtp is not None:  # a family's own MTP block runs in the target's dtype
+        if getattr(spec, "draft_dtype", "auto") != "auto" and draft_dtype != dtype:
+            raise ValueError(
+                f"speculative_config.draft_dtype: the MTP layers of {type(target).__name__} run "
+                f"in the target's dtype ({dtype}), not {draft_dtype}"
+            )
+        draft_dtype = dtype
+    with default_dtype(draft_dtype), torch.device(device):
         if build_mtp is not None:
             draft = build_mtp(config, mapping, num_layers)
         else:

@@ -198,7 +198,7 @@ class MTPDraft(DraftHead):
             rows = VocabParallelEmbedding.forward(self.lm_head, ids.to(weight.device))
         with torch.device(weight.device):
             head = ParallelLMHead(ids.numel(), weight.shape[1], self.mapping.attn_mapping)
-        head.weight.data = head.weight.data.to(weight.dtype)
+        head.weight.data = head.weight.data.to(self.dtype)  # the head's dtype (draft_dtype)
         head.weight_loader(head.weight, rows)
         self.draft_lm_head = head
         self.register_buffer("d2t", d2t.to(weight.device))
@@ -208,7 +208,8 @@ class MTPDraft(DraftHead):
         """Logits over the draft vocabulary (the target's whole vocabulary by default)."""
         head = self.draft_lm_head or self.lm_head
         assert head is not None
-        return head.compute_logits(self.final_norm(layer_index, hidden))
+        normed = self.final_norm(layer_index, hidden)
+        return head.compute_logits(normed.to(head.weight.dtype))  # the target's, or the head's
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

@@ -153,10 +153,12 @@ def _write_state(folder: Path, state: dict[str, torch.Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
 
 
-def mtp_head_with_vocab(src: Path, dst: Path, vocab: list[int]) -> Path:
+def mtp_head_with_vocab(
+    src: Path, dst: Path, vocab: list[int] | None, dtype: torch.dtype | None = None
+) -> Path:
     """The MTP layers of checkpoint ``src`` as a head folder at ``dst`` (the target's config,
-    only ``model.layers.{L + i}.*``) that drafts from ``vocab`` (target ids, as listed): a
-    ``d2t`` tensor, target id = draft id + d2t[draft id]."""
+    only ``model.layers.{L + i}.*``, in ``dtype`` when given) that drafts from ``vocab`` (target
+    ids, as listed): a ``d2t`` tensor, target id = draft id + d2t[draft id]; None: no ``d2t``."""
     dst.mkdir(parents=True)
     config = (src / "config.json").read_text()
     (dst / "config.json").write_text(config)
@@ -166,8 +168,11 @@ def mtp_head_with_vocab(src: Path, dst: Path, vocab: list[int]) -> Path:
         for k, v in _read_state(src).items()
         if k.startswith("model.layers.") and int(k.split(".")[2]) >= first
     }
-    ids = torch.tensor(vocab, dtype=torch.int64)
-    state["d2t"] = ids - torch.arange(len(ids))
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    if vocab is not None:
+        ids = torch.tensor(vocab, dtype=torch.int64)
+        state["d2t"] = ids - torch.arange(len(ids))
     _write_state(dst, state)
     return dst
 

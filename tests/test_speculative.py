@@ -241,8 +241,6 @@ def test_configuration_errors(models, tmp_path: Path) -> None:
         )
     with pytest.raises(ValueError, match="speculative_config.draft_dtype"):
         LLM(t, speculative_config={"method": "eagle3", "model": "x", "draft_dtype": "int8"})
-    with pytest.raises(ValueError, match="draft_dtype applies to method 'eagle3' only"):
-        LLM(t, speculative_config={"method": "mtp", "draft_dtype": "bfloat16"})
     with pytest.raises(ValueError, match="speculative_config.draft_vocab"):
         LLM(t, speculative_config={"method": "mtp", "draft_vocab": "small"})
     with pytest.raises(ValueError, match="draft_vocab applies to method 'mtp' only"):
@@ -296,6 +294,31 @@ def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool)
             runner = llm.engine.executor.worker.runner
             draft = runner.spec.draft
             assert draft.dtype == expected and draft.lm_head_weight.dtype == expected
+            caches = [c.dtype for layer in runner.kv_caches for c in layer]
+            num_draft = 2 * len(draft.attention_layers())
+            assert set(caches[-num_draft:]) == {expected}
+            assert set(caches[:-num_draft]) == {torch.float32}  # the target's
+            outs = llm.generate(PROMPTS, params)
+        assert _tokens(outs) == baseline["target"]
+        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+
+
+@pytest.mark.parametrize("with_vocab", [True, False])
+def test_mtp_head_dtype(models, baseline, tmp_path: Path, with_vocab: bool) -> None:
+    """An MTP head stored in bfloat16 runs its layers (and its draft-vocabulary LM head) in
+    bfloat16 on a CPU fp32 target unless draft_dtype says otherwise; the whole-vocabulary LM
+    head stays the target's fp32 one. The output stays the target's."""
+    vocab = list(range(0, 320, 2)) if with_vocab else None
+    head = mtp_head_with_vocab(models["target"], tmp_path / "bf16", vocab, torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    for choice, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        spec = {"method": "mtp", "model": str(head), "draft_dtype": choice}
+        with LLM(str(models["target"]), speculative_config=spec) as llm:
+            runner = llm.engine.executor.worker.runner
+            draft = runner.spec.draft
+            assert draft.dtype == expected
+            head_dtype = expected if with_vocab else torch.float32
+            assert draft.lm_head_weight.dtype == head_dtype
             caches = [c.dtype for layer in runner.kv_caches for c in layer]
             num_draft = 2 * len(draft.attention_layers())
             assert set(caches[-num_draft:]) == {expected}

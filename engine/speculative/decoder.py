@@ -266,8 +266,9 @@ class SpecDecoder:
                 counts = target_meta.all_rank_num_picked
                 if counts is None:
                     raise RuntimeError("LM-head TP in ADP needs all_rank_num_picked")
-                normed = draft.final_norm(layer, picked_hidden)
-                ids = adp_lm_head_tp_argmax(normed, draft.lm_head_weight, counts, self.mapping)
+                weight = draft.lm_head_weight
+                normed = draft.final_norm(layer, picked_hidden).to(weight.dtype)
+                ids = adp_lm_head_tp_argmax(normed, weight, counts, self.mapping)
                 drafts.append(draft.to_target_ids(ids))
                 return
             # Advanced sampling (and no LM-head TP): the replicated head, locally.
