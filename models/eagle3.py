@@ -16,13 +16,11 @@ from models.attention import AttentionMetadata
 from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
 from models.llama import (
+    FastDraftLayer,
     LlamaAttention,
     LlamaMLP,
     fast_layer_unsupported,
-    fast_path_accepts,
     fast_step_rows,
-    fast_weights,
-    share_fast_weights,
 )
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
@@ -61,21 +59,12 @@ class Eagle3MidLayer(nn.Module):
         return post_attention(self, x, residual, meta, pick_rows)
 
 
-class Eagle3FastPath:
+class Eagle3FastPath(FastDraftLayer):
     """The midlayer through ``kernels/cpu_decode`` for steps of at most ``MAX_ROWS`` rows (the
     eager ``Eagle3MidLayer.forward`` is its reference and runs every other step)."""
 
     def __init__(self, layer: Eagle3MidLayer) -> None:
-        attn = layer.self_attn
-        self.attention = attn.attn
-        self.weights = fast_weights(self.layer_weights(layer))
-        share_fast_weights(attn, layer.mlp, [self.weights[i] for i in (2, 3, 5, 6)])
-        self.dtype = self.weights[0].dtype
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.intermediate = layer.mlp.down_proj.weight.shape[1]
-        self.eps = float(layer.input_layernorm.eps)
-        self.scale = float(attn.attn.scale)
-        self.cos_sin = attn.rotary_emb.cos_sin
+        super().__init__(layer, self.layer_weights(layer), (2, 3, 5, 6))
 
     @staticmethod
     def layer_weights(layer: Eagle3MidLayer) -> tuple[torch.Tensor, ...]:
@@ -89,11 +78,6 @@ class Eagle3FastPath:
             layer.post_attention_layernorm.weight,
             layer.mlp.gate_up_proj.weight,
             layer.mlp.down_proj.weight,
-        )
-
-    def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return embeds.dtype == self.dtype and fast_path_accepts(
-            embeds.shape[0], meta, self.attention, self.dtype
         )
 
     def __call__(

@@ -246,6 +246,32 @@ def share_fast_weights(attn: nn.Module, mlp: nn.Module, packed: list[torch.Tenso
         linear.fast_weight = weight
 
 
+class FastDraftLayer:
+    """What a draft layer served by ``kernels/cpu_decode`` keeps: its packed weights (the eager
+    linears read the same copies), dtype, attention shape and constants."""
+
+    def __init__(
+        self, layer: nn.Module, weights: tuple[torch.Tensor, ...], shared: tuple[int, ...]
+    ) -> None:
+        """``weights`` in the extension's order; ``shared``: the positions of QKV, O, gate/up
+        and down among them."""
+        attn = layer.self_attn
+        self.attention = attn.attn
+        self.weights = fast_weights(weights)
+        share_fast_weights(attn, layer.mlp, [self.weights[i] for i in shared])
+        self.dtype = self.weights[0].dtype
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.intermediate = layer.mlp.down_proj.weight.shape[1]
+        self.eps = float(layer.input_layernorm.eps)
+        self.scale = float(attn.attn.scale)
+        self.cos_sin = attn.rotary_emb.cos_sin
+
+    def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return embeds.dtype == self.dtype and fast_path_accepts(
+            embeds.shape[0], meta, self.attention, self.dtype
+        )
+
+
 class CpuStackFastPath:
     """Runs a ``LlamaModel``'s whole decoder stack through ``kernels/cpu_decode`` for steps of
     at most ``cpu_decode.MAX_ROWS`` rows (decode and speculative verification of small

@@ -17,13 +17,11 @@ from models.draft import DraftHead, post_attention
 from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 from models.llama import (
     CpuStackFastPath,
+    FastDraftLayer,
     LlamaAttention,
     LlamaMLP,
     fast_layer_unsupported,
-    fast_path_accepts,
     fast_step_rows,
-    fast_weights,
-    share_fast_weights,
 )
 from models.parallel import ParallelMapping
 from models.weights import expected_keys, load_named_weights
@@ -79,29 +77,15 @@ class MTPLayer(nn.Module):
         return post_attention(self, x, residual, meta, pick_rows)
 
 
-class MTPFastPath:
+class MTPFastPath(FastDraftLayer):
     """An MTP layer on a Llama decoder block through ``kernels/cpu_decode``: ``eh_proj`` over
     the normed inputs, then the block as a one-layer ``llama_stack`` (its output is the
     residual stream after that layer), for steps of at most ``MAX_ROWS`` rows; the eager
     ``MTPLayer.forward`` is its reference and runs every other step."""
 
     def __init__(self, layer: MTPLayer) -> None:
-        attn = layer.self_attn
+        super().__init__(layer, CpuStackFastPath.layer_weights(layer), (1, 2, 4, 5))
         self.layer = layer
-        self.attention = attn.attn
-        self.weights = fast_weights(CpuStackFastPath.layer_weights(layer))
-        share_fast_weights(attn, layer.mlp, [self.weights[i] for i in (1, 2, 4, 5)])
-        self.dtype = self.weights[0].dtype
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.intermediate = layer.mlp.down_proj.weight.shape[1]
-        self.eps = float(layer.input_layernorm.eps)
-        self.scale = float(attn.attn.scale)
-        self.cos_sin = attn.rotary_emb.cos_sin
-
-    def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return embeds.dtype == self.dtype and fast_path_accepts(
-            embeds.shape[0], meta, self.attention, self.dtype
-        )
 
     def __call__(
         self,

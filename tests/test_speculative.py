@@ -133,6 +133,26 @@ def test_perfect_draft_reaches_k_plus_one(models, k: int, mode: str) -> None:
     assert stats.num_draft_tokens == stats.num_accepted_tokens == steps * k * len(PROMPTS)
 
 
+def _step_through(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], dict[str, list[list[int]]]]:
+    """Run ``prompts`` engine step by engine step: (each prompt's tokens, the drafts every step
+    left on each request)."""
+    engine = llm.engine
+    reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)}
+    tokens: dict[str, list[int]] = {}
+    drafts: dict[str, list[list[int]]] = {rid: [] for rid in reqs}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            drafts[out.request_id].append(list(reqs[out.request_id].spec_token_ids))
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return [tokens[rid] for rid in reqs], drafts
+
+
+def _all_drafts(drafts: dict[str, list[list[int]]]) -> list[int]:
+    return [t for steps in drafts.values() for d in steps for t in d]
+
+
 def test_mtp_draft_vocabulary(models, tmp_path: Path) -> None:
     """An MTP checkpoint with a ``d2t`` drafts from that vocabulary only (a draft LM head of the
     target's rows of those tokens): with the perfect draft, every step still takes k + 1 tokens
@@ -157,16 +177,9 @@ def test_mtp_draft_vocabulary(models, tmp_path: Path) -> None:
     def run(head: Path, **extra_spec: str) -> tuple:
         extra_spec["model"] = str(head)
         with LLM(str(models["perfect"]), speculative_config={**spec, **extra_spec}) as llm:
-            engine = llm.engine
-            draft = engine.executor.worker.runner.spec.draft
-            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
-            drafted: list[int] = []
-            tokens: dict[str, list[int]] = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    drafted += list(reqs[out.request_id].spec_token_ids)
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-            return [tokens[f"r{i}"] for i in range(len(PROMPTS))], drafted, engine.spec_stats, draft
+            tokens, drafts = _step_through(llm, PROMPTS, params)
+            draft = llm.engine.executor.worker.runner.spec.draft
+            return tokens, _all_drafts(drafts), llm.engine.spec_stats, draft
 
     out, drafted, stats, draft = run(full_vocab)
     assert out == base and stats.mean_tokens_per_step == k + 1
@@ -276,10 +289,32 @@ def test_eagle3_without_lm_head_borrows_the_targets(models, baseline, tmp_path: 
         LLM(str(models["target"]), speculative_config={"method": "eagle3", "model": str(d2)})
 
 
+def _check_head_dtypes(
+    models: dict[str, Path], baseline: dict, spec: dict, borrowed_head: bool
+) -> None:
+    """``spec``'s head, stored in bfloat16, runs in bfloat16 with draft_dtype "auto" and in fp32
+    with "float32" (weights, draft KV cache, its LM head unless ``borrowed_head``: then the
+    target's fp32 one); the target's caches stay fp32 and the output the target's."""
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    for choice, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        with LLM(str(models["target"]), speculative_config={**spec, "draft_dtype": choice}) as llm:
+            runner = llm.engine.executor.worker.runner
+            draft = runner.spec.draft
+            assert draft.dtype == expected
+            assert draft.lm_head_weight.dtype == (torch.float32 if borrowed_head else expected)
+            caches = [c.dtype for layer in runner.kv_caches for c in layer]
+            num_draft = 2 * len(draft.attention_layers())
+            assert set(caches[-num_draft:]) == {expected}
+            assert set(caches[:-num_draft]) == {torch.float32}  # the target's
+            outs = llm.generate(PROMPTS, params)
+        assert _tokens(outs) == baseline["target"]
+        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+
+
 @pytest.mark.parametrize("with_lm_head", [True, False])
 def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
-    """A head stored in bfloat16 runs in bfloat16 on a CPU fp32 target unless draft_dtype says
-    otherwise (weights, borrowed LM head and KV cache alike); the output stays the target's."""
+    """An Eagle3 head stored in bfloat16, with its own LM head or the target's borrowed (a copy
+    in the head's dtype)."""
     head = build_eagle3_draft(
         tmp_path / "bf16",
         models["target"],
@@ -287,45 +322,16 @@ def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool)
         with_lm_head=with_lm_head,
         dtype=torch.bfloat16,
     )
-    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
-    for choice, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
-        spec = {"method": "eagle3", "model": str(head), "draft_dtype": choice}
-        with LLM(str(models["target"]), speculative_config=spec) as llm:
-            runner = llm.engine.executor.worker.runner
-            draft = runner.spec.draft
-            assert draft.dtype == expected and draft.lm_head_weight.dtype == expected
-            caches = [c.dtype for layer in runner.kv_caches for c in layer]
-            num_draft = 2 * len(draft.attention_layers())
-            assert set(caches[-num_draft:]) == {expected}
-            assert set(caches[:-num_draft]) == {torch.float32}  # the target's
-            outs = llm.generate(PROMPTS, params)
-        assert _tokens(outs) == baseline["target"]
-        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+    _check_head_dtypes(models, baseline, {"method": "eagle3", "model": str(head)}, False)
 
 
 @pytest.mark.parametrize("with_vocab", [True, False])
 def test_mtp_head_dtype(models, baseline, tmp_path: Path, with_vocab: bool) -> None:
-    """An MTP head stored in bfloat16 runs its layers (and its draft-vocabulary LM head) in
-    bfloat16 on a CPU fp32 target unless draft_dtype says otherwise; the whole-vocabulary LM
-    head stays the target's fp32 one. The output stays the target's."""
+    """An MTP head stored in bfloat16: with a draft vocabulary its own LM head runs in the
+    head's dtype; the whole-vocabulary LM head stays the target's fp32 one."""
     vocab = list(range(0, 320, 2)) if with_vocab else None
     head = mtp_head_with_vocab(models["target"], tmp_path / "bf16", vocab, torch.bfloat16)
-    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
-    for choice, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
-        spec = {"method": "mtp", "model": str(head), "draft_dtype": choice}
-        with LLM(str(models["target"]), speculative_config=spec) as llm:
-            runner = llm.engine.executor.worker.runner
-            draft = runner.spec.draft
-            assert draft.dtype == expected
-            head_dtype = expected if with_vocab else torch.float32
-            assert draft.lm_head_weight.dtype == head_dtype
-            caches = [c.dtype for layer in runner.kv_caches for c in layer]
-            num_draft = 2 * len(draft.attention_layers())
-            assert set(caches[-num_draft:]) == {expected}
-            assert set(caches[:-num_draft]) == {torch.float32}  # the target's
-            outs = llm.generate(PROMPTS, params)
-        assert _tokens(outs) == baseline["target"]
-        assert all(o.spec_stats.num_drafts > 0 for o in outs)
+    _check_head_dtypes(models, baseline, {"method": "mtp", "model": str(head)}, not with_vocab)
 
 
 @pytest.mark.parametrize(
@@ -353,26 +359,19 @@ def test_fast_draft_chain_proposes_the_loops_drafts(
         with LLM(str(models["target"]), dtype=target_dtype, speculative_config=spec) as llm:
             engine = llm.engine
             engine.executor.worker.runner.spec.fast_chain = fast
-            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
-            drafts: list[list[int]] = []
-            tokens: dict[str, list[int]] = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    drafts.append(list(reqs[out.request_id].spec_token_ids))
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            runs.append(_step_through(llm, PROMPTS, params))
             if fast:  # a draft token outside the vocabulary: an error, nothing written
                 draft = engine.executor.worker.runner.spec.draft
                 hidden = torch.zeros(1, draft.config.hidden_size, dtype=draft.dtype)
                 blocks = torch.zeros(1, 2, dtype=torch.int32)
                 with pytest.raises(RuntimeError, match="draft token .* is out of range"):
                     draft.greedy_chain(hidden, torch.tensor([10**6]), torch.tensor([0]), blocks, 2)
-        runs.append((drafts, tokens))
         if fast:
             assert len(calls) > 1, "the chain did not run"
             calls.clear()
     assert not calls
     assert runs[0] == runs[1]
-    assert any(d for d in runs[0][0])
+    assert _all_drafts(runs[0][1])
 
 
 @pytest.mark.parametrize("method", ["mtp-eagle", "mtp-vanilla"])
@@ -405,24 +404,17 @@ def test_fast_mtp_layers_propose_the_eager_drafts(models, method: str, dtype: st
             if not fast:
                 for layer in layers:
                     layer.fast_path = None
-            reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)}
-            drafts: list[list[int]] = []
-            tokens: dict[str, list[int]] = {}
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    drafts.append(list(reqs[out.request_id].spec_token_ids))
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-        runs.append((drafts, tokens))
+            runs.append(_step_through(llm, PROMPTS, params))
         if fast:
             assert len(one_layer) > 1, "the MTP fast path did not run"
             one_layer.clear()
     assert not one_layer
-    assert runs[0][1] == runs[1][1]  # the output: the target's, whatever was drafted
-    assert any(d for d in runs[0][0])
+    assert runs[0][0] == runs[1][0]  # the output: the target's, whatever was drafted
+    assert _all_drafts(runs[0][1])
     if dtype == "float32":
-        assert runs[0][0] == runs[1][0]
+        assert runs[0][1] == runs[1][1]
     else:  # bf16: the extension rounds less often than the eager ops; a rare draft may differ
-        fast_drafts, eager_drafts = (sum(r[0], []) for r in runs)
+        fast_drafts, eager_drafts = (_all_drafts(r[1]) for r in runs)
         same = sum(a == b for a, b in zip(fast_drafts, eager_drafts, strict=False))
         assert same >= 0.95 * max(len(fast_drafts), len(eager_drafts))
 
@@ -460,15 +452,6 @@ def test_speculation_under_preemption_and_prefix_caching(models, baseline, metho
         assert stats.num_used_kv_blocks == 0
 
 
-def _drafts_after_each_step(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
-    requests = {f"r{i}": llm.engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)}
-    drafts: dict[str, list[list[int]]] = {rid: [] for rid in requests}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            drafts[out.request_id].append(list(requests[out.request_id].spec_token_ids))
-    return drafts
-
-
 @pytest.mark.parametrize("method", ["mtp-vanilla", "eagle3"])
 def test_drafts_do_not_depend_on_chunking(models, method: str) -> None:
     """Every draft proposed after every step is the same with whole and chunked prefill: the
@@ -483,7 +466,7 @@ def test_drafts_do_not_depend_on_chunking(models, method: str) -> None:
             speculative_config=_spec(models, method, 3),
             max_num_batched_tokens=budget,
         ) as llm:
-            runs.append(_drafts_after_each_step(llm, PROMPTS, params))
+            runs.append(_step_through(llm, PROMPTS, params)[1])
     assert runs[1] == runs[0] and runs[2] == runs[0]
     assert any(d for steps in runs[0].values() for d in steps)
 
