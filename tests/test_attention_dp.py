@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_head_with_vocab
 from engine import LLM, SamplingParams
 from engine.model_runner import (
     ADP_DUMMY_REQUEST_ID,
@@ -40,6 +40,8 @@ SPECS: dict[str, dict[str, Any] | None] = {
     # Vanilla MTP declines row picking under ADP: unpicked drafts must equal the picked ones.
     "mtp-vanilla": {"method": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    # An MTP head drafting from every other token (its own LM head of the target's rows).
+    "mtp-vocab": {"method": "mtp", "num_speculative_tokens": 3},
 }
 
 
@@ -48,6 +50,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("adp")
     target = build_llama(root / "t", layers=4, heads=4, kv_heads=2, vocab_size=322, init_std=0.2)
     add_mtp_layers(target, 1)
+    mtp_head_with_vocab(target, root / "mtp-vocab", list(range(0, 322, 2)))
     return target, build_eagle3_draft(root / "d", target, draft_vocab=161)
 
 
@@ -55,6 +58,8 @@ def _spec(name: str, draft: Path) -> dict[str, Any] | None:
     spec = SPECS[name]
     if spec is not None and spec["method"] == "eagle3":
         spec = {**spec, "model": str(draft)}
+    if name == "mtp-vocab":  # built next to the Eagle3 draft by ``ckpts``
+        spec = {**spec, "model": str(draft.parent / "mtp-vocab")}
     return spec
 
 
@@ -105,9 +110,10 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[Any], dict[str, int], int]:
 @pytest.mark.timeout(300)
 def test_adp2_equals_single_rank(ckpts: tuple[Path, Path]) -> None:
     """ADP = 2 (and ADP = 2 with LM-head TP, whose greedy drafts exchange (max, index) pairs)
-    without speculation, with MTP-Eagle, vanilla MTP and Eagle3."""
+    without speculation, with MTP-Eagle, vanilla MTP, Eagle3 and MTP with a draft vocabulary."""
     target, draft = ckpts
     runs = [(name, False) for name in SPECS] + [("mtp", True), ("eagle3", True)]
+    runs.append(("mtp-vocab", True))
     refs: dict[str, Any] = {}
     for name, lm_head_tp in runs:
         spec = _spec(name, draft)
