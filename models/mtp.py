@@ -170,10 +170,12 @@ class MTPDraft(DraftHead):
         ``bind_target``, on every rank (under TP the rows are gathered from the LM-head
         shards)."""
         assert self.lm_head is not None
+        vocab = int(self.config.vocab_size)
+        if d2t.dim() != 1 or d2t.numel() == 0:
+            raise ValueError(f"the MTP draft vocabulary (d2t) must be 1-D, got {tuple(d2t.shape)}")
         d2t = d2t.to(torch.int64).cpu()
         ids = d2t + torch.arange(d2t.numel())
-        vocab = int(self.config.vocab_size)
-        if d2t.dim() != 1 or d2t.numel() == 0 or ids.min() < 0 or ids.max() >= vocab:
+        if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"the MTP draft vocabulary (d2t) maps outside [0, {vocab})")
         if bool((ids[1:] <= ids[:-1]).any()):
             raise ValueError("the MTP draft vocabulary (d2t) must list ascending target ids")
