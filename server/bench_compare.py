@@ -661,8 +661,13 @@ def _main(ns: argparse.Namespace) -> int:
                 "batch1": r.batch1,
                 "concurrency": {str(c): v for c, v in r.by_concurrency.items()},
                 "tokens_per_step": r.tokens_per_step,
-                "batch1_ms_per_step": (_per_step(r) or (None, None))[0],
-                "batch1_tokens_per_step": (_per_step(r) or (None, None))[1],
+                **dict(
+                    zip(
+                        ("batch1_ms_per_step", "batch1_tokens_per_step"),
+                        _per_step(r) or (None, None),
+                        strict=True,
+                    )
+                ),
                 "note": r.note,
             }
             for r in rows

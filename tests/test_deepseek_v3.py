@@ -145,6 +145,13 @@ def _moe_row_counts(llm: LLM) -> list[tuple[int, int]]:
     return calls
 
 
+def test_mtp_block_runs_in_the_targets_dtype(ckpts: dict[str, Path]) -> None:
+    """DeepSeek-V3's own MTP block (MLA + MoE) has no other draft_dtype: a clear error."""
+    spec = {**_spec("eagle", 1), "draft_dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="run in the target's dtype"):
+        LLM(str(ckpts["mtp"]), dtype="float32", speculative_config=spec)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,10 +60,11 @@ def eagle3_config(
 
 def head_vocab_ids(folder: str | os.PathLike) -> torch.Tensor:
     """The draft vocabulary (target ids, sorted) of a saved Eagle3 head, from its ``d2t``."""
-    from safetensors import safe_open
+    from models.loader import find_tensor, safetensors_files
 
-    with safe_open(str(Path(folder) / "model.safetensors"), framework="pt") as f:
-        d2t = f.get_tensor("d2t")
+    d2t = find_tensor(safetensors_files(folder), "d2t")
+    if d2t is None:
+        raise ValueError(f"{folder} has no d2t tensor (not an Eagle3 head?)")
     return d2t + torch.arange(d2t.numel())
 
 
