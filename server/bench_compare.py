@@ -10,9 +10,9 @@ at batch 1 (decode only: tokens after the first / time after the first) and aggr
 transformers and against Tandem without speculation, with the machine's memory bandwidth (probed
 between the batch-1 prompts) and the batch-1 roofline: bandwidth / bytes one decode step reads
 (every weight a step reads — the tied embedding / LM head once, an untied input embedding not at
-all, since a step reads one row of it — plus the KV cache at the mean context length). Every system is loaded
-first and they run in turn (prompt by prompt for the batch-1 column, then concurrency by
-concurrency), so that a machine whose speed drifts during the run slows every row alike.
+all, since a step reads one row of it — plus the KV cache at the mean context length). Every
+system is loaded first and they run in turn (prompt by prompt for the batch-1 column, then
+concurrency by concurrency), so that a machine whose speed drifts during the run slows every row alike.
 
     tandem bench compare                          # the built-in model and its shipped heads
     tandem bench compare --model PATH --eagle3 HEAD --mtp HEAD --dtype bfloat16
@@ -356,7 +356,8 @@ def run_interleaved(
 ) -> list[float]:
     """Every system's batch-1 figure, prompt by prompt in turn, then each concurrency in turn:
     the systems share the machine's slow and fast phases, so their ratios hold up to drift.
-    ``probe`` (memory bandwidth) runs after each batch-1 prompt round; returns its values."""
+    ``probe`` (memory bandwidth) runs before each batch-1 prompt round and after the last;
+    returns its values."""
     probes: list[float] = []
     for ids in prompts[: cfg.batch1_prompts]:
         if probe is not None:
