@@ -136,6 +136,7 @@ class CUDAGraphConfig:
 SPEC_METHODS = ("eagle3", "mtp")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_VOCABS = ("auto", "full")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,11 @@ class SpeculativeConfig:
     # ``d2t`` tensor: a draft pass then reads only those rows of the LM head); "full" drafts
     # from the target's whole vocabulary. Either way the target verifies every token.
     draft_vocab: str = "auto"
+    # "int8": the draft head's matrices (its layers, fc / eh_proj and its own LM head; never the
+    # target's) become int8 rows with one scale each at start-up, and the CPU fast path's draft
+    # passes read those (half a bfloat16 head's bytes); verification keeps the output the
+    # target's. CPU only, with the fast path.
+    draft_quantization: str = "none"
 
     def __post_init__(self) -> None:
         _require(
@@ -215,6 +221,12 @@ class SpeculativeConfig:
             "speculative_config.draft_vocab",
             self.draft_vocab,
             f"one of {DRAFT_VOCABS}",
+        )
+        _require(
+            self.draft_quantization in DRAFT_QUANTIZATIONS,
+            "speculative_config.draft_quantization",
+            self.draft_quantization,
+            f"one of {DRAFT_QUANTIZATIONS}",
         )
         if self.method != "mtp" and self.draft_vocab != "auto":
             # An Eagle3 head's vocabulary is its own LM head's.
@@ -326,6 +338,17 @@ class EngineArgs:
             or os.path.basename(os.path.normpath(self.model)),
         )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec is not None and spec.draft_quantization != "none":
+            # Its int8 rows are read by the CPU fast path's products only (one rank).
+            where = "a CPU device" if device.type != "cpu" else None
+            if self.tensor_parallel_size != 1 or self.enable_attention_dp:
+                where = "one rank (no tensor or attention parallelism)"
+            if where is not None:
+                raise ValueError(
+                    f"speculative_config.draft_quantization={spec.draft_quantization!r} needs "
+                    f"{where}: it serves the CPU decode fast path"
+                )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -347,7 +370,7 @@ class EngineArgs:
                 enable_lm_head_tp_in_adp=self.enable_lm_head_tp_in_adp,
             ),
             device=device,
-            speculative_config=SpeculativeConfig.from_dict(self.speculative_config),
+            speculative_config=spec,
             graph_config=CUDAGraphConfig(
                 enforce_eager=self.enforce_eager,
                 cuda_graph_batch_sizes=(

@@ -13,7 +13,12 @@ from engine.graph_runner import GraphRunner
 from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
 from engine.speculative.decoder import SpecDecoder
 from kernels.cpu_decode import MAX_ROWS
-from models.layers import pack_cpu_linears, use_cpu_matvec_linears, use_cpu_matvec_lm_heads
+from models.layers import (
+    pack_cpu_linears,
+    quantize_int8_,
+    use_cpu_matvec_linears,
+    use_cpu_matvec_lm_heads,
+)
 from models.llama import enable_cpu_fast_path
 from models.loader import load_draft, load_model
 from models.parallel import ParallelMapping
@@ -76,11 +81,16 @@ class Worker:
             spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
+        int8 = sc is not None and sc.draft_quantization == "int8"
+        reason: str | None = f"the device is {config.device.type}"
         if config.device.type == "cpu":
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
                 if spec is not None:
+                    if int8:
+                        n = quantize_int8_(spec.draft.modules())
+                        logger.info("draft head: %d matrices quantized to int8 rows", n)
                     use_cpu_matvec_lm_heads(spec.draft)
                     why = spec.draft.enable_cpu_fast_path()
                     logger.info("CPU draft fast path %s", "on" if why is None else f"off: {why}")
@@ -91,6 +101,12 @@ class Worker:
             pack_cpu_linears(self.model)
             if spec is not None:
                 pack_cpu_linears(spec.draft)
+        if int8 and reason is not None:
+            # int8 rows only pay where the fast path's products read them.
+            raise ValueError(
+                "speculative_config.draft_quantization 'int8' needs the CPU decode fast path "
+                f"(a CPU device, one rank, a Llama-family target), and it is off here: {reason}"
+            )
         self.runner = ModelRunner(
             self.model,
             config.device,

@@ -260,6 +260,36 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+INT8_ROWS = "int8_rows"  # a weight's attribute: its (q, scale) from ``quantize_int8_``
+
+
+def quantize_int8_(modules: Iterable[nn.Module]) -> int:
+    """Int8 rows for the weight of every 2-D ``LinearBase`` / ``ParallelLMHead`` among
+    ``modules`` (``speculative_config.draft_quantization``): each module computes with the
+    dequantized values from then on (a new tensor, so a weight shared with another model keeps
+    its own), and ``pack_weight`` packs the int8 rows themselves for the CPU fast path. Returns
+    how many weights were quantized."""
+    n = 0
+    for m in modules:
+        if not isinstance(m, (LinearBase, ParallelLMHead)) or m.weight.dim() != 2:
+            continue
+        q, scale = cpu_decode.quantize_int8(m.weight)
+        weight = nn.Parameter(
+            cpu_decode.dequantize_int8(q, scale, m.weight.dtype), requires_grad=False
+        )
+        setattr(weight, INT8_ROWS, (q, scale))
+        m.weight = weight
+        n += 1
+    return n
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The CPU fast path's packed copy of ``weight``: its int8 rows where ``quantize_int8_``
+    gave it some, else the weight itself."""
+    rows = getattr(weight, INT8_ROWS, None)
+    return cpu_decode.pack(weight) if rows is None else cpu_decode.pack_int8(*rows)
+
+
 def _pack_for_cpu_matvec(modules: Iterable[nn.Module]) -> int:
     """Give each of ``modules`` whose weight is a CPU matrix in a fast-path dtype a packed copy
     (``fast_weight``), which its forward then reads through ``kernels.cpu_decode.linear`` (read
@@ -268,7 +298,7 @@ def _pack_for_cpu_matvec(modules: Iterable[nn.Module]) -> int:
     for m in modules:
         w = m.weight
         if w.device.type == "cpu" and w.dtype in cpu_decode.DTYPES and w.dim() == 2:
-            m.fast_weight = cpu_decode.pack(w)
+            m.fast_weight = pack_weight(w)
             n += 1
     return n
 

@@ -19,6 +19,7 @@ from models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
+    pack_weight,
     rope_parameters,
     silu_and_mul,
     use_cpu_matvec_lm_heads,
@@ -234,7 +235,7 @@ def fast_step_rows(positions: torch.Tensor, meta: AttentionMetadata) -> cpu_deco
 def fast_weights(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """A layer's weights as ``kernels/cpu_decode`` takes them: norms as they are, matrices
     packed (a copy: the fast path serves inference, not training)."""
-    return [cpu_decode.pack(w) if w.dim() == 2 else w.detach() for w in weights]
+    return [pack_weight(w) if w.dim() == 2 else w.detach() for w in weights]
 
 
 def share_fast_weights(attn: nn.Module, mlp: nn.Module, packed: list[torch.Tensor]) -> None:

@@ -311,17 +311,22 @@ def _check_head_dtypes(
         assert all(o.spec_stats.num_drafts > 0 for o in outs)
 
 
-@pytest.mark.parametrize("with_lm_head", [True, False])
-def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
-    """An Eagle3 head stored in bfloat16, with its own LM head or the target's borrowed (a copy
-    in the head's dtype)."""
-    head = build_eagle3_draft(
-        tmp_path / "bf16",
+def _bf16_eagle3_head(models: dict[str, Path], folder: Path, with_lm_head: bool) -> Path:
+    """A bf16-stored Eagle3 head with its own 160-token LM head, or borrowing the target's."""
+    return build_eagle3_draft(
+        folder,
         models["target"],
         draft_vocab=160 if with_lm_head else None,
         with_lm_head=with_lm_head,
         dtype=torch.bfloat16,
     )
+
+
+@pytest.mark.parametrize("with_lm_head", [True, False])
+def test_eagle3_head_dtype(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
+    """An Eagle3 head stored in bfloat16, with its own LM head or the target's borrowed (a copy
+    in the head's dtype)."""
+    head = _bf16_eagle3_head(models, tmp_path / "bf16", with_lm_head)
     _check_head_dtypes(models, baseline, {"method": "eagle3", "model": str(head)}, False)
 
 
@@ -504,3 +509,77 @@ def test_speculation_pauses_at_the_batch_size_limit(models, baseline, method: st
         llm.engine.step()
         assert ref.output_token_ids == a.output_token_ids[n - 1 : n]
         assert list(ref.spec_token_ids) == resumed
+
+
+def _dequantized_copy(head: Path, folder: Path, lm_head: torch.Tensor | None) -> Path:
+    """``head`` with every matrix replaced by its int8 rows' dequantized values (what
+    ``draft_quantization: "int8"`` computes with), stored in the head's dtype; ``lm_head``: the
+    LM head it borrows (saved as its own, in the head's dtype)."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels import cpu_decode
+
+    shutil.copytree(head, folder)
+    state = load_file(str(head / "model.safetensors"))
+    if lm_head is not None:
+        state["lm_head.weight"] = lm_head.to(state["fc.weight"].dtype)
+    for name, t in state.items():
+        if t.dim() == 2 and t.is_floating_point():
+            state[name] = cpu_decode.dequantize_int8(*cpu_decode.quantize_int8(t), t.dtype)
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("with_lm_head", [True, False])
+def test_int8_draft_quantization(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
+    """``draft_quantization: "int8"``: the head's matrices (layers, fc, its LM head) reach the
+    CPU fast path as int8 rows; its drafts after every step are those of the same head stored
+    with the dequantized values (rounding aside), the output is the target's, and a borrowed
+    LM head leaves the target's own untouched."""
+    from kernels import cpu_decode
+
+    if cpu_decode.unavailable_reason() is not None:
+        pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
+    head = _bf16_eagle3_head(models, tmp_path / "h", with_lm_head)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    runs = []
+    borrowed = None
+    for quantized in (True, False):
+        if quantized:
+            config = {**spec, "draft_quantization": "int8"}
+        else:
+            config = {**spec, "model": str(_dequantized_copy(head, tmp_path / "deq", borrowed))}
+        with LLM(str(models["target"]), speculative_config=config) as llm:
+            worker = llm.engine.executor.worker
+            draft = worker.runner.spec.draft
+            packed = [w for w in draft.midlayer.fast_path.weights if w.dim() == 2]
+            packed += [draft.lm_head.fast_weight, draft.fc.fast_weight]
+            assert {w.dtype for w in packed} == {torch.int8 if quantized else torch.bfloat16}
+            target_head = worker.model.lm_head.weight
+            assert target_head.dtype == torch.float32 and draft.lm_head.weight is not target_head
+            if not with_lm_head and quantized:
+                borrowed = target_head.detach().clone()
+            runs.append(_step_through(llm, PROMPTS, params))
+    assert runs[0][0] == runs[1][0] == baseline["target"]
+    got, ref = _all_drafts(runs[0][1]), _all_drafts(runs[1][1])
+    assert len(got) == len(ref) > 0
+    assert sum(a == b for a, b in zip(got, ref, strict=True)) >= 0.95 * len(ref)
+
+
+def test_int8_draft_quantization_needs_the_cpu_fast_path(models, monkeypatch) -> None:
+    from engine.config import EngineArgs
+
+    spec = {**_spec(models, "eagle3", 3), "draft_quantization": "int8"}
+    with pytest.raises(ValueError, match="draft_quantization.*one rank"):
+        EngineArgs(
+            model=str(models["target"]),
+            device="cpu",
+            tensor_parallel_size=2,
+            speculative_config=spec,
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="draft_quantization.*one of"):
+        LLM(str(models["target"]), speculative_config={**spec, "draft_quantization": "int4"})
+    monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
+    with pytest.raises(ValueError, match="needs the CPU decode fast path.*TANDEM_CPU_FAST_DECODE"):
+        LLM(str(models["target"]), speculative_config=spec)
