@@ -39,7 +39,7 @@ SHIPPED_HEADS = REPO / "models" / "heads"
 BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
 BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"
 NONE = "none"  # --eagle3 none / --mtp none: skip that row
-BATCH1_PROMPTS = 4  # prompts timed one at a time for the batch-1 column
+BATCH1_PROMPTS = 16  # default prompts timed one at a time for the batch-1 column
 SPEEDUP_GOAL = 1.6  # speculation's batch-1 goal over no speculation (README, "Speed")
 
 
@@ -74,12 +74,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative rows: no drafts in steps of at least N requests (speculative_config's "
         "disable_by_batch_size)",
     )
+    p.add_argument(
+        "--draft-quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="speculative rows: speculative_config.draft_quantization (int8 draft matrices on "
+        "the CPU fast path)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
     p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32])
+    p.add_argument(
+        "--batch1-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prompts timed one at a time for the batch-1 column (default {BATCH1_PROMPTS}, 1 "
+        "with --quick; at most --num-prompts)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the concurrency columns N times, in turn forward and backward (1, 4, 16, then "
+        "16, 4, 1): each figure is the tokens over the time of all rounds, so columns measured "
+        "minutes apart share a drifting machine's phases",
+    )
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny numbers (tests, a smoke run)")
     p.add_argument(
@@ -226,8 +250,9 @@ class TandemSystem:
             return 0, 0.0, 0
         return n - 1, last - first, steps
 
-    def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
-        """Output tokens/s with ``conc`` requests in flight until every prompt is done."""
+    def aggregate(self, prompts: list[list[int]], conc: int) -> tuple[int, float] | None:
+        """(output tokens, seconds) with ``conc`` requests in flight until every prompt is
+        done."""
         engine = self.engine
         queue = _cycle(prompts, max(len(prompts), conc))
         in_flight: set[str] = set()
@@ -242,7 +267,7 @@ class TandemSystem:
                 if out.finished:
                     in_flight.discard(out.request_id)
                     tokens += len(out.outputs[0].token_ids)
-        return tokens / (time.perf_counter() - start)
+        return tokens, time.perf_counter() - start
 
     def close(self) -> None:
         try:
@@ -332,7 +357,7 @@ class TransformersSystem:
         self.generate([ids], timer)
         return (*timer.decode(), None)  # generate's steps are not counted
 
-    def aggregate(self, prompts: list[list[int]], conc: int) -> float | None:
+    def aggregate(self, prompts: list[list[int]], conc: int) -> tuple[int, float] | None:
         if self.helper is not None and conc > 1:
             self.row.note = "assisted generation runs one request at a time"
             return None
@@ -341,7 +366,7 @@ class TransformersSystem:
         start = time.perf_counter()
         for i in range(0, len(queue), conc):
             tokens += self.generate(queue[i : i + conc])
-        return tokens / (time.perf_counter() - start)
+        return tokens, time.perf_counter() - start
 
     def close(self) -> None:
         del self.model, self.helper
@@ -357,7 +382,8 @@ def run_interleaved(
     """Every system's batch-1 figure, prompt by prompt in turn, then each concurrency in turn:
     the systems share the machine's slow and fast phases, so their ratios hold up to drift.
     ``probe`` (memory bandwidth) runs before each batch-1 prompt round and after the last;
-    returns its values."""
+    returns its values. The concurrency columns run ``cfg.rounds`` times, in turn forward and
+    backward, each figure the tokens over the seconds of every round."""
     probes: list[float] = []
     for ids in prompts[: cfg.batch1_prompts]:
         if probe is not None:
@@ -374,9 +400,16 @@ def run_interleaved(
     for system in systems:
         row = system.row
         row.batch1 = row.batch1_tokens / row.batch1_seconds if row.batch1_seconds > 0 else None
-    for conc in cfg.concurrency:
-        for system in systems:
-            system.row.by_concurrency[conc] = system.aggregate(prompts, conc)
+    runs: dict[tuple[int, int], list[tuple[int, float] | None]] = {}
+    for r in range(cfg.rounds):
+        for conc in cfg.concurrency if r % 2 == 0 else cfg.concurrency[::-1]:
+            for i, system in enumerate(systems):
+                runs.setdefault((i, conc), []).append(system.aggregate(prompts, conc))
+    for (i, conc), got in runs.items():
+        done = [g for g in got if g is not None]
+        seconds = sum(sec for _, sec in done)
+        value = sum(n for n, _ in done) / seconds if done and seconds > 0 else None
+        systems[i].row.by_concurrency[conc] = value
     return probes
 
 
@@ -390,6 +423,7 @@ class BenchConfig:
     max_tokens: int
     concurrency: list[int]
     batch1_prompts: int
+    rounds: int = 1
 
 
 def _load_prompts(path: str | None, model: str, num: int) -> list[list[int]]:
@@ -522,6 +556,10 @@ def _main(ns: argparse.Namespace) -> int:
             ns.concurrency.append(2)
     if ns.num_prompts < 1 or ns.max_tokens < 2:
         raise BenchError("--num-prompts must be >= 1 and --max-tokens >= 2")
+    if ns.batch1_prompts is None:
+        ns.batch1_prompts = 1 if ns.quick else BATCH1_PROMPTS
+    if ns.batch1_prompts < 1 or ns.rounds < 1:
+        raise BenchError("--batch1-prompts and --rounds must be >= 1")
     builtin = ns.model is None
     if builtin:
         from models.builtin import builtin_model_path
@@ -544,10 +582,11 @@ def _main(ns: argparse.Namespace) -> int:
         mtp, mtp_why = {"method": "mtp", "num_speculative_tokens": k}, ""
     else:
         mtp, mtp_why = _spec_choice(ns.mtp, BUILTIN_MTP if builtin else None, "mtp", k)
-    if ns.disable_by_batch_size is not None:
-        for spec in (eagle3, mtp):
-            if spec is not None:
-                spec["disable_by_batch_size"] = ns.disable_by_batch_size
+    for spec in (eagle3, mtp):
+        if spec is not None and ns.disable_by_batch_size is not None:
+            spec["disable_by_batch_size"] = ns.disable_by_batch_size
+        if spec is not None and ns.draft_quantization != "none":
+            spec["draft_quantization"] = ns.draft_quantization
     assistant_why = ""
     if ns.assistant_model is None:
         assistant_why = "no --assistant-model (a smaller model with the same tokenizer) given"
@@ -562,12 +601,14 @@ def _main(ns: argparse.Namespace) -> int:
         device=ns.device,
         max_tokens=ns.max_tokens,
         concurrency=ns.concurrency,
-        batch1_prompts=min(len(prompts), 1 if ns.quick else BATCH1_PROMPTS),
+        batch1_prompts=min(len(prompts), ns.batch1_prompts),
+        rounds=ns.rounds,
     )
     print(
         f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts "
-        f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), {ns.max_tokens} new tokens, "
-        f"{torch.get_num_threads()} threads",
+        f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; the first "
+        f"{cfg.batch1_prompts} at batch 1), {ns.max_tokens} new tokens, {cfg.rounds} round(s) of "
+        f"the concurrency columns, {torch.get_num_threads()} threads",
         flush=True,
     )
     na = {c: None for c in cfg.concurrency}
@@ -595,9 +636,12 @@ def _main(ns: argparse.Namespace) -> int:
             )
         add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
         for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
-            name = f"tandem + {method} (K={k})"
+            how = [f"K={k}"]
+            if ns.draft_quantization != "none":
+                how.append(ns.draft_quantization)
             if ns.disable_by_batch_size is not None:
-                name = f"tandem + {method} (K={k}, off at {ns.disable_by_batch_size}+)"
+                how.append(f"off at {ns.disable_by_batch_size}+")
+            name = f"tandem + {method} ({', '.join(how)})"
             if spec is None:
                 entries.append(Row(name, by_concurrency=dict(na), note=why))
                 continue
@@ -656,6 +700,9 @@ def _main(ns: argparse.Namespace) -> int:
         "num_prompts": len(prompts),
         "max_tokens": ns.max_tokens,
         "concurrency": cfg.concurrency,
+        "batch1_prompts": cfg.batch1_prompts,
+        "rounds": cfg.rounds,
+        "draft_quantization": ns.draft_quantization,
         "rows": [
             {
                 "name": r.name,

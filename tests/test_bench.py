@@ -296,6 +296,46 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
     assert 1.0 <= row["tokens_per_step"] <= K + 1
 
 
+def test_compare_rounds_batch1_prompts_and_int8_drafts(
+    tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """``--rounds 2`` runs the concurrency columns forward then backward (one figure from both),
+    ``--batch1-prompts`` sets the batch-1 column's prompts, ``--draft-quantization`` reaches the
+    speculative rows' configuration."""
+    from kernels import cpu_decode
+    from server.bench_compare import TandemSystem
+
+    if cpu_decode.unavailable_reason() is not None:
+        pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
+    order: list[tuple[str, int]] = []
+    aggregate = TandemSystem.aggregate
+
+    def record(self, prompts, conc):
+        order.append((self.row.name, conc))
+        return aggregate(self, prompts, conc)
+
+    monkeypatch.setattr(TandemSystem, "aggregate", record)
+    result = tmp_path / "c.json"
+    rc = main(
+        [
+            "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
+            "--skip-transformers", "--eagle3", "none", "--draft-quantization", "int8",
+            "--rounds", "2", "--batch1-prompts", "2", "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    name = f"tandem + mtp (K={K}, int8)"
+    assert [c for n, c in order if n == name] == [1, 2, 2, 1]
+    assert [c for n, c in order if n == "tandem"] == [1, 2, 2, 1]
+    data = json.loads(result.read_text())
+    assert (data["rounds"], data["batch1_prompts"], data["draft_quantization"]) == (2, 2, "int8")
+    assert len(data["memory_bandwidth_batch1_probes"]) == 3  # before each prompt, after the last
+    row = {r["name"]: r for r in data["rows"]}[name]
+    assert row["batch1"] > 0 and all(v > 0 for v in row["concurrency"].values())
+    assert "the first 2 at batch 1" in capsys.readouterr().out
+    assert main(["bench", "compare", "--quick", "--rounds", "0"]) == 2
+
+
 def test_bandwidth_and_roofline(tmp_path_factory):
     bw = measure_memory_bandwidth(16 << 20, repeats=2)
     assert bw["bandwidth"] > 0 and bw["copy"] > 0 and bw["sum"] > 0
