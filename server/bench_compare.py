@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="requests end at EOS (at most --max-tokens), as answers do; default: exactly "
+        "--max-tokens each, EOS ignored",
+    )
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32])
     p.add_argument(
         "--batch1-prompts",
@@ -224,7 +230,9 @@ class TandemSystem:
                 speculative_config=spec,
             )
         )
-        self.params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=not cfg.stop_at_eos
+        )
         self.counter = iter(range(1 << 30))
         self.engine.add_request("warm-up", warm_up, SamplingParams(temperature=0.0, max_tokens=4))
         while self.engine.has_unfinished_requests():
@@ -303,7 +311,8 @@ class _StepTimes:
 
 
 class TransformersSystem:
-    """transformers ``generate``, greedy, ``max_tokens`` new tokens each (EOS ignored)."""
+    """transformers ``generate``, greedy, ``max_tokens`` new tokens each (EOS ignored), or up to
+    EOS with ``stop_at_eos``."""
 
     def __init__(
         self, model_path: str, cfg: BenchConfig, warm_up: list[int], assistant: str | None = None
@@ -319,14 +328,27 @@ class TransformersSystem:
         if assistant is not None:
             helper = tf.AutoModelForCausalLM.from_pretrained(assistant, dtype=dtype)
             self.helper = helper.to(self.dev).eval()
-            self.helper.generation_config.eos_token_id = None
-        self.model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
+        # Tandem's end tokens: the generation config's, the model config's and the tokenizer's.
+        self.eos: set[int] = set()
+        if cfg.stop_at_eos:
+            tok = tf.AutoTokenizer.from_pretrained(model_path)
+            for ids in (
+                self.model.generation_config.eos_token_id,
+                self.model.config.eos_token_id,
+                tok.eos_token_id,
+            ):
+                self.eos |= _id_set(ids)
+            if not self.eos:
+                raise BenchError("--stop-at-eos: the model names no EOS token")
+        for m in (self.model, self.helper):  # None: run the full length, like ignore_eos
+            if m is not None:
+                m.generation_config.eos_token_id = sorted(self.eos) or None
         pad = self.model.generation_config.pad_token_id
         self.pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
         self.kw: dict[str, Any] = dict(
             do_sample=False,
             max_new_tokens=cfg.max_tokens,
-            min_new_tokens=cfg.max_tokens,
+            min_new_tokens=None if cfg.stop_at_eos else cfg.max_tokens,
             pad_token_id=self.pad,
             temperature=None,
             top_p=None,
@@ -350,7 +372,7 @@ class TransformersSystem:
             out = self.model.generate(
                 ids.to(self.dev), attention_mask=mask.to(self.dev), streamer=streamer, **self.kw
             )
-        return int(out.shape[0] * (out.shape[1] - width))
+        return sum(_until_eos(row, self.eos) for row in out[:, width:].tolist())
 
     def batch1(self, ids: list[int]) -> tuple[int, float, int | None]:
         timer = _StepTimes()
@@ -371,6 +393,21 @@ class TransformersSystem:
     def close(self) -> None:
         del self.model, self.helper
         gc.collect()
+
+
+def _id_set(ids: int | list[int] | None) -> set[int]:
+    if ids is None:
+        return set()
+    return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> int:
+    """New tokens of one ``generate`` row: up to and including its first EOS (the padding after
+    it is not output), all of them when ``eos`` is empty."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return i + 1
+    return len(tokens)
 
 
 def run_interleaved(
@@ -424,6 +461,7 @@ class BenchConfig:
     concurrency: list[int]
     batch1_prompts: int
     rounds: int = 1
+    stop_at_eos: bool = False
 
 
 def _load_prompts(path: str | None, model: str, num: int) -> list[list[int]]:
@@ -603,11 +641,13 @@ def _main(ns: argparse.Namespace) -> int:
         concurrency=ns.concurrency,
         batch1_prompts=min(len(prompts), ns.batch1_prompts),
         rounds=ns.rounds,
+        stop_at_eos=ns.stop_at_eos,
     )
+    length = f"up to EOS, at most {ns.max_tokens}" if ns.stop_at_eos else f"{ns.max_tokens}"
     print(
         f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts "
         f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; the first "
-        f"{cfg.batch1_prompts} at batch 1), {ns.max_tokens} new tokens, {cfg.rounds} round(s) of "
+        f"{cfg.batch1_prompts} at batch 1), {length} new tokens, {cfg.rounds} round(s) of "
         f"the concurrency columns, {torch.get_num_threads()} threads",
         flush=True,
     )
@@ -665,7 +705,10 @@ def _main(ns: argparse.Namespace) -> int:
     size = (64 << 20) if ns.quick else (1 << 30)
     bw = measure_memory_bandwidth(size, 2 if ns.quick else 5, ns.device)
     dtype_bytes = 2 if ns.dtype == "bfloat16" else 4
-    context = sum(map(len, prompts[: cfg.batch1_prompts])) / cfg.batch1_prompts + ns.max_tokens / 2
+    n1 = cfg.batch1_prompts
+    # New tokens per batch-1 answer: fixed, or (up to EOS) what Tandem's answers held.
+    answer = (rows[2].batch1_tokens + n1) / n1 if ns.stop_at_eos else ns.max_tokens
+    context = sum(map(len, prompts[:n1])) / n1 + answer / 2
     weights = weight_bytes_per_step(config, dtype_bytes)
     kv = kv_bytes_per_step(config, dtype_bytes, context)
     during = statistics.median(probes)
@@ -686,7 +729,8 @@ def _main(ns: argparse.Namespace) -> int:
     )
     print(
         f"bytes per decode step: weights {weights / 2**20:.1f} MiB + KV {kv / 2**20:.2f} MiB "
-        f"(context {context:.0f}) -> batch-1 roofline {roof:.1f} tokens/s"
+        f"(context {context:.0f}; answers of {answer:.0f} tokens) -> batch-1 roofline "
+        f"{roof:.1f} tokens/s"
     )
     frac = f"{ours / roof:.0%}" if ours else "n/a"
     print(f"tandem batch 1: {ours or 0:.1f} tokens/s = {frac} of the roofline")
@@ -699,6 +743,8 @@ def _main(ns: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "num_prompts": len(prompts),
         "max_tokens": ns.max_tokens,
+        "stop_at_eos": ns.stop_at_eos,
+        "batch1_mean_answer_tokens": answer,
         "concurrency": cfg.concurrency,
         "batch1_prompts": cfg.batch1_prompts,
         "rounds": cfg.rounds,

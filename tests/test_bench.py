@@ -336,6 +336,41 @@ def test_compare_rounds_batch1_prompts_and_int8_drafts(
     assert main(["bench", "compare", "--quick", "--rounds", "0"]) == 2
 
 
+def test_compare_stop_at_eos_ends_both_systems_at_the_same_token(tmp_path_factory, tmp_path):
+    """``--stop-at-eos``: transformers ``generate`` (the oracle) and Tandem stop at the first
+    EOS and count the same tokens; by default both run exactly ``max_tokens``."""
+    import shutil
+
+    import transformers as tf
+
+    from server.bench_compare import BenchConfig, TandemSystem, TransformersSystem
+
+    folder = tmp_path / "eos"
+    shutil.copytree(tiny_model(tmp_path_factory), folder)
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    ids = tok.encode("the quick brown fox")
+    model = tf.AutoModelForCausalLM.from_pretrained(folder)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    new = out[0, len(ids) :].tolist()
+    # The end token: the first new token past the first that did not come before it.
+    cut = next(i for i in range(1, len(new)) if new[i] not in new[:i])
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [new[cut]]
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": new[cut]}))
+    for stop, want in ((True, cut + 1), (False, 8)):
+        cfg = BenchConfig("float32", "cpu", 8, [1], 1, stop_at_eos=stop)
+        hf = TransformersSystem(str(folder), cfg, ids)
+        ours = TandemSystem(str(folder), cfg, None, "tandem", ids)
+        try:
+            assert hf.aggregate([ids, ids], 2)[0] == 2 * want
+            assert ours.aggregate([ids, ids], 2)[0] == 2 * want
+            assert hf.batch1(ids)[0] == ours.batch1(ids)[0] == want - 1
+        finally:
+            hf.close()
+            ours.close()
+
+
 def test_bandwidth_and_roofline(tmp_path_factory):
     bw = measure_memory_bandwidth(16 << 20, repeats=2)
     assert bw["bandwidth"] > 0 and bw["copy"] > 0 and bw["sum"] > 0
