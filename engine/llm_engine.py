@@ -39,7 +39,8 @@ def load_generation_config(path: str) -> dict[str, Any]:
         return json.load(fh)
 
 
-def _as_id_set(value: Any) -> set[int]:
+def as_id_set(value: Any) -> set[int]:
+    """A config's token id field (None, one id or a list of ids) as a set."""
     if value is None:
         return set()
     if isinstance(value, int):
@@ -54,9 +55,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.tokenizer)
         self.generation_config = load_generation_config(mc.model)
         self.eos_token_ids = frozenset(
-            _as_id_set(self.generation_config.get("eos_token_id"))
-            | _as_id_set(getattr(mc.hf_config, "eos_token_id", None))
-            | _as_id_set(self.tokenizer.eos_token_id)
+            as_id_set(self.generation_config.get("eos_token_id"))
+            | as_id_set(getattr(mc.hf_config, "eos_token_id", None))
+            | as_id_set(self.tokenizer.eos_token_id)
         )
         self.executor = executor or make_executor(config)
         cc = config.cache_config

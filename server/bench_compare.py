@@ -320,6 +320,8 @@ class TransformersSystem:
         import torch
         import transformers as tf
 
+        from engine.llm_engine import as_id_set
+
         dtype = getattr(torch, cfg.dtype)
         self.dev = torch.device(cfg.device)
         self.model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -337,7 +339,7 @@ class TransformersSystem:
                 self.model.config.eos_token_id,
                 tok.eos_token_id,
             ):
-                self.eos |= _id_set(ids)
+                self.eos |= as_id_set(ids)
             if not self.eos:
                 raise BenchError("--stop-at-eos: the model names no EOS token")
         for m in (self.model, self.helper):  # None: run the full length, like ignore_eos
@@ -393,12 +395,6 @@ class TransformersSystem:
     def close(self) -> None:
         del self.model, self.helper
         gc.collect()
-
-
-def _id_set(ids: int | list[int] | None) -> set[int]:
-    if ids is None:
-        return set()
-    return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> int:
