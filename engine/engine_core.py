@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.config import EngineArgs
-from engine.fault_injection import FaultPlan
-from engine.input_processor import InputProcessor
-from engine.outputs import EngineStats, OutputDelta, OutputEncoder, RequestOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineArgs
+from tandem.engine.fault_injection import FaultPlan
+from tandem.engine.input_processor import InputProcessor
+from tandem.engine.outputs import EngineStats, OutputDelta, OutputEncoder, RequestOutput
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ def run_engine_core(
     heartbeat_interval_s: float = 0.5,
 ) -> None:
     """Entry point of the engine process (spawned by ``AsyncLLM``)."""
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.llm_engine import LLMEngine
 
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.distributed import (
+from tandem.engine.config import EngineConfig
+from tandem.engine.distributed import (
     LaunchEnv,
     ProcessGroups,
     all_reduce_min,
@@ -37,9 +37,9 @@ from engine.distributed import (
     rank_device,
     start_parent_watchdog,
 )
-from engine.model_runner import DPStepInput, StepInput, StepOutput, merge_outputs
-from engine.worker import Worker
-from models.parallel import ParallelMapping
+from tandem.engine.model_runner import DPStepInput, StepInput, StepOutput, merge_outputs
+from tandem.engine.worker import Worker
+from tandem.models.parallel import ParallelMapping
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def rank_process_context(config: EngineConfig) -> multiprocessing.context.BaseCo
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     hf_module = type(config.model_config.hf_config).__module__
-    ctx.set_forkserver_preload(["engine.executor", hf_module])
+    ctx.set_forkserver_preload(["tandem.engine.executor", hf_module])
     return ctx
 
 

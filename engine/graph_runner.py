@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from engine.cuda_graph import ADVANCED, GREEDY, SAMPLED, GraphKey, dummy_kv_tokens
-from engine.sampler import SamplingTensors
-from engine.speculative.decoder import VerifyLayout
-from engine.speculative.interface import SpecMetadata
-from kernels.paged_attention import build_attention_plan
-from models.attention import AttentionMetadata
-from models.parallel import ParallelMapping
+from tandem.engine.cuda_graph import ADVANCED, GREEDY, SAMPLED, GraphKey, dummy_kv_tokens
+from tandem.engine.sampler import SamplingTensors
+from tandem.engine.speculative.decoder import VerifyLayout
+from tandem.engine.speculative.interface import SpecMetadata
+from tandem.kernels.paged_attention import build_attention_plan
+from tandem.models.attention import AttentionMetadata
+from tandem.models.parallel import ParallelMapping
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner, PreparedInputs
+    from tandem.engine.model_runner import ModelRunner, PreparedInputs
 
 
 def max_blocks_per_request(max_model_len: int, draft_len: int, block_size: int) -> int:
@@ -305,7 +305,7 @@ class GraphRunner:
         self._alloc()
         if self.use_cuda:
             self.pool = torch.cuda.graph_pool_handle()
-        from engine.model_runner import StepInput
+        from tandem.engine.model_runner import StepInput
 
         for b in sorted(self.batch_sizes, reverse=True):
             inp = runner.prepare(runner.pad_generation(StepInput([]), b), self._counts(b))

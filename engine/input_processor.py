@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 
 
 class ContextLengthExceededError(ValueError):

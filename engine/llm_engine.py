@@ -8,17 +8,17 @@ import os
 import time
 from typing import Any
 
-from engine.block_manager import BlockManager
-from engine.config import EngineArgs, EngineConfig
-from engine.cuda_graph import GraphKey, graph_mode
-from engine.detokenizer import Detokenizer
-from engine.executor import Executor, make_executor
-from engine.input_processor import ContextLengthExceededError, InputProcessor
-from engine.model_runner import DPStepInput, RequestStep, StepInput, num_dummy_blocks
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.request import Request, RequestStatus, SpecStats
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.config import EngineArgs, EngineConfig
+from tandem.engine.cuda_graph import GraphKey, graph_mode
+from tandem.engine.detokenizer import Detokenizer
+from tandem.engine.executor import Executor, make_executor
+from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
+from tandem.engine.model_runner import DPStepInput, RequestStep, StepInput, num_dummy_blocks
+from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from tandem.engine.request import Request, RequestStatus, SpecStats
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -14,30 +14,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.cuda_graph import (
+from tandem.engine.cuda_graph import (
     CUDAGraphRunner,
     GraphKey,
     GraphPlan,
     sampling_variant,
     step_can_graph,
 )
-from engine.request import TokenLogprobs
-from engine.sampler import (
+from tandem.engine.request import TokenLogprobs
+from tandem.engine.sampler import (
     GREEDY_EPS,
     RowSamplingInfo,
     SamplingTensors,
     compute_logprobs,
     sample,
 )
-from engine.sampling_params import SamplingParams
-from engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
-from engine.speculative.interface import SpecMetadata
-from kernels.paged_attention import build_attention_plan
-from models.attention import AttentionMetadata
-from models.parallel import all_ranks_true
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
+from tandem.engine.speculative.interface import SpecMetadata
+from tandem.kernels.paged_attention import build_attention_plan
+from tandem.models.attention import AttentionMetadata
+from tandem.models.parallel import all_ranks_true
 
 if TYPE_CHECKING:
-    from engine.graph_runner import GraphReplay, GraphRunner
+    from tandem.engine.graph_runner import GraphReplay, GraphRunner
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SpecStats, TokenLogprobs
+from tandem.engine.request import SpecStats, TokenLogprobs
 
 
 @dataclass

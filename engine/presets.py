@@ -1,6 +1,8 @@
 """Deployment presets: YAML files whose keys are ``EngineArgs`` fields, one to one.
 
-A nested ``speculative_config:`` mapping holds ``SpeculativeConfig`` fields. Unknown keys and
+``--config`` takes a path or the name of a preset that ships in the package's ``configs/``
+folder (``--config cpu`` or ``--config cpu.yaml``). A nested ``speculative_config:`` mapping holds
+``SpeculativeConfig`` fields. Unknown keys and
 wrong types are ``ValueError``s that name the key and the type it wants; the frozen configs'
 own validators run too, so a preset is checked without the model folder or its weights.
 """
@@ -11,11 +13,12 @@ import dataclasses
 import os
 import types
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from engine.config import (
+from tandem.engine.config import (
     CacheConfig,
     CUDAGraphConfig,
     EngineArgs,
@@ -25,6 +28,30 @@ from engine.config import (
 )
 
 SPEC_KEY = "speculative_config"
+# The shipped presets: configs/ beside engine/ in the checkout and in the installed package.
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_presets() -> list[str]:
+    """Names of the presets that ship with Tandem (``--config NAME``)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def resolve_preset(name: str | os.PathLike[str]) -> Path:
+    """The file ``--config name`` means: an existing path as given, else the shipped preset of
+    that name (``cpu``, ``cpu.yaml`` or ``configs/cpu.yaml``). Anything else is a one-line
+    ``ValueError`` that lists the shipped presets."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    stem = path.name.removesuffix(".yaml").removesuffix(".yml")
+    shipped = PRESETS_DIR / f"{stem}.yaml"
+    if path.suffix in ("", ".yaml", ".yml") and shipped.is_file():
+        return shipped
+    raise ValueError(
+        f"config {os.fspath(name)!r} is neither a file nor a shipped preset; "
+        f"shipped presets: {', '.join(shipped_presets()) or '(none)'}"
+    )
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -49,12 +76,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_preset(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a preset; returns its keys (``EngineArgs`` field names) and values."""
+    """Read and validate a preset (a path or a shipped preset's name, see ``resolve_preset``);
+    returns its keys (``EngineArgs`` field names) and values."""
+    path = resolve_preset(path)
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_UniqueKeyLoader)
     except OSError as e:
-        raise ValueError(f"cannot read config file {os.fspath(path)!r}: {e.strerror}") from None
+        raise ValueError(
+            f"cannot read config file {os.fspath(path)!r}: {e.strerror}; "
+            f"shipped presets: {', '.join(shipped_presets()) or '(none)'}"
+        ) from None
     except yaml.YAMLError as e:
         raise ValueError(f"config file {os.fspath(path)!r} is not valid YAML: {e}") from None
     try:
@@ -176,7 +208,7 @@ def _validate_configs(checked: dict[str, Any]) -> None:
     """Run the validators of the configs that need no model folder (``ValueError`` names the
     field). ``max_model_len`` and ``max_num_batched_tokens`` left unset are resolved from the
     checkpoint at load time; here they stand in with the scheduler's defaults."""
-    from models.loader import resolve_dtype
+    from tandem.models.loader import resolve_dtype
 
     args = EngineArgs(**{"model": "", **checked})
     if args.dtype != "auto":

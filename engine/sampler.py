@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels import cpu_decode
+from tandem.kernels import cpu_decode
 
 # Temperatures below this are treated as greedy (division would overflow anyway).
 GREEDY_EPS = 1e-5

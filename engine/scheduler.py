@@ -12,9 +12,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.request import Request, RequestStatus
 
 
 @dataclass

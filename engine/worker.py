@@ -7,21 +7,21 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
-from engine.graph_runner import GraphRunner
-from engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
-from engine.speculative.decoder import SpecDecoder
-from kernels.cpu_decode import MAX_ROWS
-from models.layers import (
+from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
+from tandem.engine.graph_runner import GraphRunner
+from tandem.engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
+from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.kernels.cpu_decode import MAX_ROWS
+from tandem.models.layers import (
     pack_cpu_linears,
     quantize_int8_,
     use_cpu_matvec_linears,
     use_cpu_matvec_lm_heads,
 )
-from models.llama import enable_cpu_fast_path
-from models.loader import load_draft, load_model
-from models.parallel import ParallelMapping
+from tandem.models.llama import enable_cpu_fast_path
+from tandem.models.loader import load_draft, load_model
+from tandem.models.parallel import ParallelMapping
 
 logger = logging.getLogger(__name__)
 

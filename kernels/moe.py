@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.paged_attention import HAS_TRITON, _launch, _next_pow2
+from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2
 
 if HAS_TRITON:
     import triton

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.paged_attention import HAS_TRITON, _launch, _next_pow2
+from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2
 
 if HAS_TRITON:
     import triton

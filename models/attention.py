@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention, write_kv_cache
+from tandem.kernels.paged_attention import paged_attention, write_kv_cache
 
 
 @dataclass

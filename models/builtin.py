@@ -4,8 +4,8 @@
 tokenizer, chat template, generation config) under the user's cache and returns the folder;
 later calls reuse it. ``tandem serve`` with no MODEL serves it; offline::
 
-    from engine import LLM
-    from models.builtin import builtin_model_path
+    from tandem import LLM
+    from tandem.models.builtin import builtin_model_path
 
     llm = LLM(builtin_model_path())
 

@@ -19,14 +19,14 @@ from typing import Any
 
 from torch import nn
 
-from models.draft import DraftHead
-from models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
-from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-from models.mla import LatentPagedAttention, MLAAttention
-from models.moe import DeepseekV3MoE, RoutedExperts
-from models.mtp import MTPDraft, MTPLayer
-from models.parallel import ParallelMapping
-from models.weights import expected_keys
+from tandem.models.draft import DraftHead
+from tandem.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tandem.models.mla import LatentPagedAttention, MLAAttention
+from tandem.models.moe import DeepseekV3MoE, RoutedExperts
+from tandem.models.mtp import MTPDraft, MTPLayer
+from tandem.models.parallel import ParallelMapping
+from tandem.models.weights import expected_keys
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, PagedAttention
+from tandem.models.attention import AttentionMetadata, PagedAttention
 
 
 def post_attention(

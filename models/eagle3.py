@@ -11,19 +11,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_decode
-from models.attention import AttentionMetadata
-from models.draft import DraftHead, post_attention
-from models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
-from models.llama import (
+from tandem.kernels import cpu_decode
+from tandem.models.attention import AttentionMetadata
+from tandem.models.draft import DraftHead, post_attention
+from tandem.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
+from tandem.models.llama import (
     FastDraftLayer,
     LlamaAttention,
     LlamaMLP,
     fast_layer_unsupported,
     fast_step_rows,
 )
-from models.parallel import ParallelMapping
-from models.weights import expected_keys, load_named_weights
+from tandem.models.parallel import ParallelMapping
+from tandem.models.weights import expected_keys, load_named_weights
 
 
 class Eagle3MidLayer(nn.Module):

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_decode
-from models.parallel import ParallelMapping, all_gather_last_dim, all_reduce, divide
+from tandem.kernels import cpu_decode
+from tandem.models.parallel import ParallelMapping, all_gather_last_dim, all_reduce, divide
 
 # ----------------------------------------------------------------------------- weight loading
 

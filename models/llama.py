@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import cpu_decode
-from models.attention import AttentionMetadata, PagedAttention
-from models.layers import (
+from tandem.kernels import cpu_decode
+from tandem.models.attention import AttentionMetadata, PagedAttention
+from tandem.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -24,8 +24,8 @@ from models.layers import (
     silu_and_mul,
     use_cpu_matvec_lm_heads,
 )
-from models.parallel import ParallelMapping, adp_all_gather_rows, adp_reduce_own_rows
-from models.weights import expected_keys, load_named_weights
+from tandem.models.parallel import ParallelMapping, adp_all_gather_rows, adp_reduce_own_rows
+from tandem.models.weights import expected_keys, load_named_weights
 
 
 def head_dim_of(config: Any) -> int:

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from models.parallel import ParallelMapping
-from models.registry import resolve_model_class
+from tandem.models.parallel import ParallelMapping
+from tandem.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,8 @@ def load_draft(
     mapping: ParallelMapping | None = None,
 ) -> nn.Module:
     """Build and load the draft head named by a ``SpeculativeConfig``, bound to ``target``."""
-    from models.eagle3 import Eagle3Draft
-    from models.mtp import MTPDraft
+    from tandem.models.eagle3 import Eagle3Draft
+    from tandem.models.mtp import MTPDraft
 
     mapping = mapping or ParallelMapping()
     target_config = target.config

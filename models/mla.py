@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention, write_kv_cache
-from models.attention import AttentionMetadata, KVCacheSpec
-from models.layers import (
+from tandem.kernels.paged_attention import paged_attention, write_kv_cache
+from tandem.models.attention import AttentionMetadata, KVCacheSpec
+from tandem.models.layers import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RMSNorm,
@@ -36,7 +36,7 @@ from models.layers import (
     rope_parameters,
     yarn_mscale,
 )
-from models.parallel import ParallelMapping, divide
+from tandem.models.parallel import ParallelMapping, divide
 
 LORA_NORM_EPS = 1e-6  # the q_a / kv_a layernorms use the default eps, not rms_norm_eps
 

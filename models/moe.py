@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import grouped_topk, moe_experts
-from models.layers import (
+from tandem.kernels.moe import grouped_topk, moe_experts
+from tandem.models.layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     copy_checked,
@@ -31,7 +31,7 @@ from models.layers import (
     set_loader,
     silu_and_mul,
 )
-from models.parallel import (
+from tandem.models.parallel import (
     ParallelMapping,
     adp_all_gather_rows,
     adp_reduce_own_rows,

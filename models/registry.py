@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from models.deepseek_v3 import DeepseekV3ForCausalLM
-from models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
+from tandem.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,

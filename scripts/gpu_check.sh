@@ -65,7 +65,7 @@ timeout -k 15 "$test_budget" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
 test_rc=$?
 test_s=$((SECONDS - t0))
 
-bench=benchmarks/gpu_bench.py
+bench=benchmarks/gpu.py # run as python -m tandem.bench.gpu
 bench_rc=-1
 bench_s=0
 if [[ -f "$bench" ]]; then
@@ -73,7 +73,7 @@ if [[ -f "$bench" ]]; then
     t0=$SECONDS
     # shellcheck disable=SC2086 # GPU_BENCH_ARGS is a list of words
     # --quick and a time budget inside the timeout: the script skips what would not fit.
-    timeout -k 15 "$bench_budget" "$PY" "$bench" ${GPU_BENCH_ARGS:---quick --time-budget $((bench_budget - 20))} 2>&1 | tee "$out/gpu-bench.log"
+    timeout -k 15 "$bench_budget" "$PY" -m tandem.bench.gpu ${GPU_BENCH_ARGS:---quick --time-budget $((bench_budget - 20))} 2>&1 | tee "$out/gpu-bench.log"
     bench_rc=$?
     bench_s=$((SECONDS - t0))
 fi

@@ -19,26 +19,31 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_llm import RequestGroup
-from engine.config import EngineArgs
-from server import __version__
-from server.errors import (
+from tandem import __version__
+from tandem.engine.async_llm import RequestGroup
+from tandem.engine.config import EngineArgs
+from tandem.server.errors import (
     APIError,
     bad_request,
     error_body,
     install_error_handlers,
     payload_too_large,
 )
-from server.protocol import (
+from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.serving import ClientDisconnected, SSEResponse, engine_error_to_api, unless_disconnected
-from server.serving_chat import ChatHandler, render_chat_prompt
-from server.serving_completion import CompletionHandler
-from server.state import ServerSettings, ServerState
+from tandem.server.serving import (
+    ClientDisconnected,
+    SSEResponse,
+    engine_error_to_api,
+    unless_disconnected,
+)
+from tandem.server.serving_chat import ChatHandler, render_chat_prompt
+from tandem.server.serving_completion import CompletionHandler
+from tandem.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
 

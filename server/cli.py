@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from server import __version__
+from tandem import __version__
 
 logger = logging.getLogger("tandem")
 
@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--config",
         default=None,
-        metavar="FILE",
-        help="YAML preset of engine fields (configs/*.yaml); options given here override it",
+        metavar="FILE|NAME",
+        help="YAML preset of engine fields: a file, or the name of a shipped preset "
+        "(configs/*.yaml, e.g. cpu); options given here override it",
     )
 
     http = s.add_argument_group("HTTP server")
@@ -158,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_bench_parser(sub: Any) -> None:
     """``tandem bench serve`` (load a server over HTTP) and ``tandem bench compare`` (offline
     engine against transformers and without speculation)."""
-    from server import bench_compare, bench_serve
+    from tandem.bench import compare as bench_compare
+    from tandem.bench import serve as bench_serve
 
     b = sub.add_parser("bench", help="benchmark a server or the offline engine")
     kinds = b.add_subparsers(dest="bench_command", required=True)
@@ -172,14 +174,14 @@ def add_bench_parser(sub: Any) -> None:
 
 def add_train_draft_parser(sub: Any) -> None:
     """``tandem train-draft``: train or evaluate an Eagle3 / MTP head (engine/training/)."""
-    from engine.training.cli import add_train_draft_parser as add
+    from tandem.engine.training.cli import add_train_draft_parser as add
 
     add(sub)
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
     """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do)."""
-    from engine.config import EngineArgs
+    from tandem.engine.config import EngineArgs
 
     spec = None
     spec_off = False  # "none" / "null": no speculation, even for the built-in model
@@ -196,11 +198,11 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     names = ns.served_model_name or []
     model = ns.model
     if model is None:  # the built-in SmolLM2-135M-Instruct, converted once into the cache
-        from models.builtin import builtin_model_path
+        from tandem.models.builtin import builtin_model_path
 
         model = builtin_model_path()
         if not spec_off:  # the shipped Eagle3 head by default; a shipped method gets its head
-            from models.heads import builtin_speculative_config
+            from tandem.models.heads import builtin_speculative_config
 
             spec = builtin_speculative_config(spec)
     return EngineArgs(
@@ -233,9 +235,9 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
 def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import build_app
-    from server.lifecycle import GracefulServer
-    from server.state import ServerSettings
+    from tandem.server.app import build_app
+    from tandem.server.lifecycle import GracefulServer
+    from tandem.server.state import ServerSettings
 
     level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -318,7 +320,7 @@ def apply_config_file(ns: argparse.Namespace, argv: list[str]) -> None:
     ns.config_engine_fields = {}
     if getattr(ns, "config", None) is None:
         return
-    from engine.presets import load_preset
+    from tandem.engine.presets import load_preset
 
     given = _options_given(argv)
     for key, value in load_preset(ns.config).items():
@@ -344,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tandem serve: error: {e}", file=sys.stderr)
             return 2
     if ns.command == "bench":
-        from server import bench_compare, bench_serve
+        from tandem.bench import compare as bench_compare
+        from tandem.bench import serve as bench_serve
 
         return (bench_serve if ns.bench_command == "serve" else bench_compare).main(ns)
     if ns.command == "train-draft":
-        from engine.training.cli import run_train_draft
+        from tandem.engine.training.cli import run_train_draft
 
         return run_train_draft(ns)
     parser.error(f"unknown command {ns.command!r}")

@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any
 
-from engine.request import TokenLogprobs
+from tandem.engine.request import TokenLogprobs
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
 # JSON has no -Infinity; a token the model rules out entirely is reported with this instead.

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats
+from tandem.engine.outputs import EngineStats
 
 PREFIX = "tandem:"
 LATENCY_BUCKETS = (

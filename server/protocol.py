@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from server.errors import bad_request, unsupported
+from tandem.server.errors import bad_request, unsupported
 
 MAX_N = 128
 MAX_LOGPROBS = 20

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_llm import (
+from tandem.engine.async_llm import (
     EngineDeadError,
     EngineError,
     EngineNotReadyError,
@@ -25,11 +25,11 @@ from engine.async_llm import (
     RequestAbortedError,
     RequestFailedError,
 )
-from engine.input_processor import ContextLengthExceededError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
-from server.protocol import SamplingFields
+from tandem.engine.input_processor import ContextLengthExceededError
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
+from tandem.server.protocol import SamplingFields
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

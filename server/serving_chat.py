@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.async_llm import RequestGroup
-from engine.outputs import RequestOutput
-from server.chat import ChatRenderer, ChatTemplateError, messages_for_template
-from server.errors import bad_request, unsupported
-from server.logprobs import chat_logprobs
-from server.protocol import ChatCompletionRequest
-from server.serving import (
+from tandem.engine.async_llm import RequestGroup
+from tandem.engine.outputs import RequestOutput
+from tandem.server.chat import ChatRenderer, ChatTemplateError, messages_for_template
+from tandem.server.errors import bad_request, unsupported
+from tandem.server.logprobs import chat_logprobs
+from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.serving import (
     build_sampling_params,
     engine_error_to_api,
     envelope,
@@ -21,7 +21,7 @@ from server.serving import (
     sse_error,
     usage,
 )
-from server.state import ServerState
+from tandem.server.state import ServerState
 
 # SamplingParams' names -> this endpoint's names, for error messages.
 _PARAM_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}

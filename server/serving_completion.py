@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.async_llm import RequestGroup
-from engine.outputs import RequestOutput
-from server.logprobs import completion_logprobs
-from server.protocol import CompletionRequest
-from server.serving import (
+from tandem.engine.async_llm import RequestGroup
+from tandem.engine.outputs import RequestOutput
+from tandem.server.logprobs import completion_logprobs
+from tandem.server.protocol import CompletionRequest
+from tandem.server.serving import (
     build_sampling_params,
     engine_error_to_api,
     envelope,
@@ -19,7 +19,7 @@ from server.serving import (
     sse_error,
     usage,
 )
-from server.state import ServerState
+from tandem.server.state import ServerState
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:

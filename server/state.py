@@ -10,13 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from server.chat import ChatRenderer, resolve_chat_template
-from server.errors import model_not_found, server_unavailable
-from server.logprobs import TokenText
-from server.metrics import ServerMetrics
-from server.serving import RETRY_AFTER_NOT_READY_S
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.config import EngineArgs
+from tandem.server.chat import ChatRenderer, resolve_chat_template
+from tandem.server.errors import model_not_found, server_unavailable
+from tandem.server.logprobs import TokenText
+from tandem.server.metrics import ServerMetrics
+from tandem.server.serving import RETRY_AFTER_NOT_READY_S
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from engine import EngineArgs, SamplingParams
-from engine.cuda_graph import GraphKey
-from engine.model_runner import DPStepInput, RequestStep, StepInput, StepOutput
-from engine.worker import Worker
-from models.parallel import ParallelMapping
+from tandem import EngineArgs, SamplingParams
+from tandem.engine.cuda_graph import GraphKey
+from tandem.engine.model_runner import DPStepInput, RequestStep, StepInput, StepOutput
+from tandem.engine.worker import Worker
+from tandem.models.parallel import ParallelMapping
 
 PROMPTS = [[5, 6, 7], list(range(40, 61)), [100, 101], list(range(120, 131))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, logprobs=2)

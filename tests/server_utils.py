@@ -71,19 +71,26 @@ def cmdline(pid: int) -> str:
 
 
 class RemoteServer:
-    """`python -m server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own process
-    group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
-    model (no MODEL argument)."""
+    """`python -m tandem.server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own
+    process group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
+    model (no MODEL argument). ``launcher`` replaces ``python -m tandem.server.cli`` (e.g. another
+    venv's ``tandem``), ``cwd`` the checkout as the working folder, ``env`` adds variables."""
 
-    def __init__(self, model: Path | None, args: list[str], api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Path | None,
+        args: list[str],
+        api_key: str | None = None,
+        launcher: list[str] | None = None,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.model = model
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
         cmd = [
-            sys.executable,
-            "-m",
-            "server.cli",
+            *(launcher or [sys.executable, "-m", "tandem.server.cli"]),
             "serve",
             *([str(model)] if model is not None else []),
             "--host",
@@ -96,14 +103,14 @@ class RemoteServer:
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ)
-        env.pop("TANDEM_API_KEY", None)
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("TANDEM_API_KEY", None)
         self.proc = subprocess.Popen(
             cmd,
-            cwd=REPO,
+            cwd=cwd or REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=full_env,
             start_new_session=True,
         )
         self.pgid = self.proc.pid

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_head_with_vocab
-from engine import LLM, SamplingParams
-from engine.model_runner import (
+from tandem import LLM, SamplingParams
+from tandem.engine.model_runner import (
     ADP_DUMMY_REQUEST_ID,
     RequestStep,
     StepInput,
@@ -314,9 +314,9 @@ def test_scan_clears_the_previous_steps_group_flag() -> None:
 
     import torch
 
-    from engine.model_runner import ModelRunner
-    from engine.speculative.interface import SpecMetadata
-    from models.parallel import ParallelMapping
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.speculative.interface import SpecMetadata
+    from tandem.models.parallel import ParallelMapping
 
     meta = SpecMetadata(2, use_rejection_sampling=True)
     meta.group_all_greedy_sample = True  # last step: the whole group was greedy
@@ -337,7 +337,7 @@ def test_scan_clears_the_previous_steps_group_flag() -> None:
 
 
 def test_warm_up_leaves_no_cached_prompt_on_any_rank(ckpts: tuple[Path, Path]) -> None:
-    from engine.engine_core import warm_up
+    from tandem.engine.engine_core import warm_up
 
     with LLM(  # 4-token blocks: the 8-token warm-up prompt fills two
         str(ckpts[0]),
@@ -366,7 +366,7 @@ def test_warm_up_leaves_no_cached_prompt_on_any_rank(ckpts: tuple[Path, Path]) -
 
 @pytest.mark.timeout(120)
 def test_a_killed_rank_fails_the_adp_step(ckpts: tuple[Path, Path]) -> None:
-    from engine.executor import MultiProcExecutor, RankFailedError
+    from tandem.engine.executor import MultiProcExecutor, RankFailedError
 
     with LLM(
         str(ckpts[0]), dtype="float32", tensor_parallel_size=2, enable_attention_dp=True

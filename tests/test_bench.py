@@ -1,4 +1,4 @@
-"""`tandem bench serve`, `tandem bench compare` and benchmarks/gpu_bench.py on tiny models."""
+"""`tandem bench serve`, `tandem bench compare` and tandem.bench.gpu on tiny models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from checkpoints import build_eagle3_draft
-from server.bench_compare import (
+from server_utils import RemoteServer, tiny_model, tiny_mtp_model
+from tandem.bench.compare import (
     Row,
     format_step_costs,
     kv_bytes_per_step,
@@ -18,15 +19,14 @@ from server.bench_compare import (
     roofline_tokens_per_s,
     weight_bytes_per_step,
 )
-from server.bench_serve import (
+from tandem.bench.serve import (
     arrival_delays,
     format_block,
     parse_metrics,
     speculative_stats,
     summarize,
 )
-from server.cli import main
-from server_utils import REPO, RemoteServer, tiny_model, tiny_mtp_model
+from tandem.server.cli import main
 
 BLOCK_LABELS = (
     "Successful requests:",
@@ -302,8 +302,8 @@ def test_compare_rounds_batch1_prompts_and_int8_drafts(
     """``--rounds 2`` runs the concurrency columns forward then backward (one figure from both),
     ``--batch1-prompts`` sets the batch-1 column's prompts, ``--draft-quantization`` reaches the
     speculative rows' configuration."""
-    from kernels import cpu_decode
-    from server.bench_compare import TandemSystem
+    from tandem.bench.compare import TandemSystem
+    from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
         pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
@@ -343,7 +343,7 @@ def test_compare_stop_at_eos_ends_both_systems_at_the_same_token(tmp_path_factor
 
     import transformers as tf
 
-    from server.bench_compare import BenchConfig, TandemSystem, TransformersSystem
+    from tandem.bench.compare import BenchConfig, TandemSystem, TransformersSystem
 
     folder = tmp_path / "eos"
     shutil.copytree(tiny_model(tmp_path_factory), folder)
@@ -395,11 +395,11 @@ def test_bandwidth_and_roofline(tmp_path_factory):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_gpu_bench_help_and_no_cuda_message():
-    script = str(REPO / "benchmarks" / "gpu_bench.py")
+    script = ["-m", "tandem.bench.gpu"]
     r = subprocess.run(
-        [sys.executable, script, "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, *script, "--help"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, *script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "needs a CUDA device" in r.stderr

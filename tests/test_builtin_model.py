@@ -16,9 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-import models.builtin as builtin
-from engine import LLM, SamplingParams
-from models.builtin import BUILTIN_MODEL_NAME, CACHE_ENV, MARKER, builtin_model_path, find_gguf
+import tandem.models.builtin as builtin
+from tandem import LLM, SamplingParams
+from tandem.models.builtin import (
+    BUILTIN_MODEL_NAME,
+    CACHE_ENV,
+    MARKER,
+    builtin_model_path,
+    find_gguf,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -305,7 +311,7 @@ def test_cache_dir_honours_tandem_cache(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_serve_without_model_uses_the_builtin_model(folder: Path) -> None:
-    from server.cli import build_parser, engine_args_from
+    from tandem.server.cli import build_parser, engine_args_from
 
     args = engine_args_from(build_parser().parse_args(["serve"]))
     assert args.model == str(folder)

@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 from checkpoints import build_llama
-from engine import LLM, EngineArgs, SamplingParams
-from engine.config import ParallelConfig, SpeculativeConfig
-from engine.presets import load_preset, validate_preset
-from server import cli
+from tandem import LLM, EngineArgs, SamplingParams
+from tandem.engine.config import ParallelConfig, SpeculativeConfig
+from tandem.engine.presets import (
+    PRESETS_DIR,
+    load_preset,
+    resolve_preset,
+    shipped_presets,
+    validate_preset,
+)
+from tandem.server import cli
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "configs").glob("*.yaml"))
@@ -144,9 +150,26 @@ def test_types_are_converted_where_yaml_cannot_say_them() -> None:
     assert out["speculative_config"]["eagle3_layers_to_capture"] == (1, 2, 5)
 
 
-def test_missing_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot read config file"):
-        load_preset(tmp_path / "nope.yaml")
+def test_missing_or_unreadable_preset_is_one_line_listing_the_shipped_ones(tmp_path: Path) -> None:
+    shipped = shipped_presets()
+    assert {"cpu", "llama3.1-8b-eagle3"} <= set(shipped)
+    unreadable = tmp_path / "unreadable.yaml"
+    unreadable.mkdir()  # a folder: open() fails even as root
+    for bad in (tmp_path / "nope.yaml", "no-such-preset", unreadable):
+        with pytest.raises(ValueError) as e:
+            load_preset(bad)
+        message = str(e.value)
+        assert "\n" not in message and "shipped presets: " + ", ".join(shipped) in message
+
+
+def test_shipped_preset_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # not the checkout: names resolve in the package's configs/
+    for name in ("cpu", "cpu.yaml", "configs/cpu.yaml"):
+        assert resolve_preset(name) == PRESETS_DIR / "cpu.yaml"
+    assert load_preset("cpu") == load_preset(PRESETS_DIR / "cpu.yaml")
+    # A file of the same name in the working folder is the user's, and wins.
+    (tmp_path / "cpu.yaml").write_text("max_num_seqs: 3\n")
+    assert load_preset("cpu.yaml") == {"max_num_seqs": 3}
 
 
 # ------------------------------------------------------------------ tandem serve --config

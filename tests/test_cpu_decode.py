@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, hf_greedy
-from engine import LLM, SamplingParams
-from kernels import cpu_decode
-from models.attention import AttentionMetadata
-from models.layers import LinearBase
-from models.llama import CpuStackFastPath, LlamaModel, enable_cpu_fast_path
+from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_decode
+from tandem.models.attention import AttentionMetadata
+from tandem.models.layers import LinearBase
+from tandem.models.llama import CpuStackFastPath, LlamaModel, enable_cpu_fast_path
 
 pytestmark = pytest.mark.skipif(
     cpu_decode.isa() is None, reason="the CPU has neither AVX-512 (F, BW) nor AVX2 + FMA"

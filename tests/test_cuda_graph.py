@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
 from graph_checks import (
     GREEDY as GREEDY_PARAMS,
 )
@@ -23,11 +25,9 @@ from graph_checks import (
     make_worker,
     spec_config,
 )
-
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
-from engine import LLM, SamplingParams
-from engine.config import CUDAGraphConfig
-from engine.cuda_graph import (
+from tandem import LLM, SamplingParams
+from tandem.engine.config import CUDAGraphConfig
+from tandem.engine.cuda_graph import (
     ADVANCED,
     GREEDY,
     SAMPLED,
@@ -45,10 +45,10 @@ from engine.cuda_graph import (
     sampling_variant,
     step_can_graph,
 )
-from engine.model_runner import RequestStep
-from engine.presets import validate_preset
-from models.parallel import ParallelMapping
-from server import cli
+from tandem.engine.model_runner import RequestStep
+from tandem.engine.presets import validate_preset
+from tandem.models.parallel import ParallelMapping
+from tandem.server import cli
 
 CPU = torch.device("cpu")
 

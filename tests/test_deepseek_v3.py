@@ -16,7 +16,7 @@ from checkpoints import (
     hf_greedy,
     scale_residual_writes,
 )
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 PARITY_PROMPTS = [
     [5, 6, 7],
@@ -227,7 +227,7 @@ def test_router_matches_transformers() -> None:
     the same experts with the same weights as transformers' router."""
     import transformers as tf
 
-    from kernels.moe import grouped_topk
+    from tandem.kernels.moe import grouped_topk
 
     cfg = tf.DeepseekV3Config(
         hidden_size=32, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4
@@ -252,9 +252,9 @@ def test_expert_parallel_loading_reads_each_ranks_experts(ckpts: dict[str, Path]
     fused [E, ...] expert tensors alike."""
     from safetensors.torch import load_file
 
-    from models.deepseek_v3 import DeepseekV3ForCausalLM
-    from models.loader import check_complete, load_hf_config
-    from models.parallel import ParallelMapping
+    from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from tandem.models.loader import check_complete, load_hf_config
+    from tandem.models.parallel import ParallelMapping
 
     folder = ckpts["q-lora-default-rope"]
     config = load_hf_config(folder)

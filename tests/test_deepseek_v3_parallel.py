@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from checkpoints import add_deepseek_mtp_layers, build_deepseek_v3, scale_residual_writes
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 # Unequal load under ADP: least-loaded assignment gives rank 1 the short requests, so it idles
 # (dummy steps) while rank 0 still decodes; a 16-token budget chunks the 30-token prompt.

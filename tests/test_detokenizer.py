@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from checkpoints import build_tokenizer
-from engine.detokenizer import Detokenizer
+from tandem.engine.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")

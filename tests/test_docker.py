@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.presets import load_preset
+from tandem.engine.presets import load_preset
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -62,7 +62,7 @@ def test_dockerfile_has_what_a_gpu_node_needs() -> None:
     user = [args for word, args in ins if word == "USER"][-1]
     assert user not in ("root", "0")
     (health,) = [args for word, args in ins if word == "HEALTHCHECK"]
-    assert "/health" in health
+    assert "/ready" in health  # readiness: the model is loaded, not only the process up
     (entry,) = [args for word, args in ins if word == "ENTRYPOINT"]
     assert json.loads(entry) == ["/opt/tandem/docker/entrypoint.sh"]
     assert 'exec "${serve[@]}"' in ENTRYPOINT.read_text()  # which is `tandem serve ...`

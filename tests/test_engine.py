@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import build_llama
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SHARED = list(range(10, 50))  # a 40-token shared prefix: 2 full blocks of 16

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from graph_checks import GREEDY as GRAPH_GREEDY
-from graph_checks import MIXED, check_adp_dummy, check_variant, make_worker, spec_config
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
-from engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from engine.cuda_graph import ADVANCED, SAMPLED, GraphKey, dummy_kv_tokens
-from engine.cuda_graph import GREEDY as GRAPH_GREEDY_VARIANT
-from engine.executor import MultiProcExecutor
+from graph_checks import GREEDY as GRAPH_GREEDY
+from graph_checks import MIXED, check_adp_dummy, check_variant, make_worker, spec_config
+from tandem import LLM, EngineArgs, LLMEngine, SamplingParams
+from tandem.engine.cuda_graph import ADVANCED, SAMPLED, GraphKey, dummy_kv_tokens
+from tandem.engine.cuda_graph import GREEDY as GRAPH_GREEDY_VARIANT
+from tandem.engine.executor import MultiProcExecutor
 
 pytestmark = [
     pytest.mark.gpu,

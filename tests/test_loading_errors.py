@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import build_llama
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

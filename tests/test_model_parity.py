@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from checkpoints import build_llama, hf_greedy
-from engine import LLM, SamplingParams
-from kernels import cpu_decode
+from tandem import LLM, SamplingParams
+from tandem.kernels import cpu_decode
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [100], list(range(60, 97))]
 NEW_TOKENS = 32
@@ -68,8 +68,8 @@ def test_dtype_auto_follows_checkpoint(tmp_path: Path) -> None:
 
 def test_packed_bf16_linears_match_plain_ones(tmp_path: Path) -> None:
     # On CPU the engine packs bf16 linear weights for oneDNN; logits stay those of F.linear.
-    from models.layers import LinearBase, pack_cpu_linears
-    from models.loader import load_model
+    from tandem.models.layers import LinearBase, pack_cpu_linears
+    from tandem.models.loader import load_model
 
     folder = build_llama(tmp_path / "m", dtype=torch.bfloat16, tie=True)
     model = load_model(str(folder), torch.bfloat16, torch.device("cpu"))
@@ -101,5 +101,5 @@ def test_packed_bf16_engine_keeps_greedy_tokens(
     packed, tokens = run()
     if not packed:
         pytest.skip("oneDNN bf16 is not available here")
-    monkeypatch.setattr("engine.worker.pack_cpu_linears", lambda model: 0)
+    monkeypatch.setattr("tandem.engine.worker.pack_cpu_linears", lambda model: 0)
     assert run() == (False, tokens)

@@ -19,14 +19,14 @@ from triton_utils import run_in_fresh_interpreter
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
-from kernels.moe import (  # noqa: E402
+from tandem.kernels.moe import (  # noqa: E402
     grouped_topk,
     grouped_topk_reference,
     moe_align_blocks,
     moe_experts,
     moe_experts_reference,
 )
-from kernels.paged_attention import HAS_TRITON, triton_interpreter_enabled  # noqa: E402
+from tandem.kernels.paged_attention import HAS_TRITON, triton_interpreter_enabled  # noqa: E402
 
 INTERPRETER = triton_interpreter_enabled()
 needs_interpreter = pytest.mark.skipif(

@@ -21,7 +21,7 @@ from triton_utils import run_in_fresh_interpreter
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
-from kernels.paged_attention import (  # noqa: E402
+from tandem.kernels.paged_attention import (  # noqa: E402
     HAS_TRITON,
     _paged_attention_torch,
     build_attention_plan,

@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from checkpoints import build_eagle3_draft, build_llama
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 N = 20_000
 VOCAB = 12

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from engine.fault_injection import ENV_VAR
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_model, wait_until
+from tandem.engine.fault_injection import ENV_VAR
 
 PROMPT = "Hello world!"
 LABEL = {"model_name": "tiny"}
@@ -217,7 +217,7 @@ class StepEngine:
             raise RuntimeError("rank 1 is gone")
 
     def step(self):
-        from engine.outputs import CompletionOutput, RequestOutput
+        from tandem.engine.outputs import CompletionOutput, RequestOutput
 
         self.steps += 1
         rid = self.queue[0]
@@ -232,7 +232,7 @@ class StepEngine:
         return [RequestOutput(rid, None, [1], [c], done)]
 
     def get_stats(self):
-        from engine.outputs import EngineStats
+        from tandem.engine.outputs import EngineStats
 
         return EngineStats(len(self.queue), 0, 10, 0, 0.0, 0, 0, 0, 0, 0)
 
@@ -241,9 +241,15 @@ def loop_messages(engine: StepEngine, ids: list[str]) -> tuple[int, list]:
     import queue
     import threading
 
-    from engine.engine_core import AddRequests, EngineDead, Shutdown, StepOutputs, run_engine_loop
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.engine_core import (
+        AddRequests,
+        EngineDead,
+        Shutdown,
+        StepOutputs,
+        run_engine_loop,
+    )
+    from tandem.engine.request import Request
+    from tandem.engine.sampling_params import SamplingParams
 
     in_q: queue.Queue = queue.Queue()
     out_q: queue.Queue = queue.Queue()
@@ -273,7 +279,7 @@ def loop_messages(engine: StepEngine, ids: list[str]) -> tuple[int, list]:
 
 
 def test_loop_fails_only_the_requests_of_the_failed_step():
-    from engine.engine_core import EngineDead, RequestsFailed, StepOutputs
+    from tandem.engine.engine_core import EngineDead, RequestsFailed, StepOutputs
 
     engine = StepEngine(fail_steps={2})
     code, msgs = loop_messages(engine, ["a", "b", "c"])
@@ -286,7 +292,7 @@ def test_loop_fails_only_the_requests_of_the_failed_step():
 
 
 def test_loop_gives_up_when_the_executor_is_unhealthy_after_a_failure():
-    from engine.engine_core import EngineDead, RequestsFailed
+    from tandem.engine.engine_core import EngineDead, RequestsFailed
 
     engine = StepEngine(fail_steps={1}, healthy=False)
     code, msgs = loop_messages(engine, ["a", "b"])
@@ -296,7 +302,7 @@ def test_loop_gives_up_when_the_executor_is_unhealthy_after_a_failure():
 
 
 def test_fault_plan_parsing():
-    from engine.fault_injection import FaultPlan
+    from tandem.engine.fault_injection import FaultPlan
 
     assert FaultPlan.from_env({}) is None
     plan = FaultPlan.from_env({ENV_VAR: " raise@3, fatal@5,hang@9 "})

@@ -409,7 +409,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch):
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from server.app import APIKeyMiddleware
+    from tandem.server.app import APIKeyMiddleware
 
     calls: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
@@ -433,7 +433,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch):
 
 
 def test_default_host_is_loopback():
-    from server.cli import build_parser
+    from tandem.server.cli import build_parser
 
     ns = build_parser().parse_args(["serve", "/some/model"])
     assert ns.host == "127.0.0.1"
@@ -441,7 +441,7 @@ def test_default_host_is_loopback():
 
 
 def test_server_generated_request_ids_never_collide(http):
-    from server.serving import new_request_id
+    from tandem.server.serving import new_request_id
 
     ids = [new_request_id("cmpl") for _ in range(200_000)]
     assert len(set(ids)) == len(ids)
@@ -461,10 +461,10 @@ def test_request_templates_render_in_the_sandbox_when_allowed(tmp_path_factory):
 
     from transformers import AutoTokenizer
 
-    from server.errors import APIError
-    from server.protocol import ChatMessage
-    from server.serving_chat import render_chat_prompt
-    from server.state import ServerSettings
+    from tandem.server.errors import APIError
+    from tandem.server.protocol import ChatMessage
+    from tandem.server.serving_chat import render_chat_prompt
+    from tandem.server.state import ServerSettings
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model(tmp_path_factory)))
     messages = [ChatMessage(role="user", content="hi")]

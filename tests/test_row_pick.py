@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
-from engine import LLM, SamplingParams
-from engine.speculative.interface import DraftRowPick, draft_layer_picks_rows
-from kernels.paged_attention import build_attention_plan
-from models.attention import AttentionMetadata
-from models.eagle3 import Eagle3MidLayer
-from models.loader import load_hf_config
-from models.mtp import MTPLayer
-from models.parallel import ParallelMapping
+from tandem import LLM, SamplingParams
+from tandem.engine.speculative.interface import DraftRowPick, draft_layer_picks_rows
+from tandem.kernels.paged_attention import build_attention_plan
+from tandem.models.attention import AttentionMetadata
+from tandem.models.eagle3 import Eagle3MidLayer
+from tandem.models.loader import load_hf_config
+from tandem.models.mtp import MTPLayer
+from tandem.models.parallel import ParallelMapping
 
 BS = 4
 

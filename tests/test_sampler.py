@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampler import (
+from tandem.engine.sampler import (
     RowSamplingInfo,
     SamplingTensors,
     apply_min_p,

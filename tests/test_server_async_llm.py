@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineNotReadyError
-from engine.config import EngineArgs
-from engine.sampling_params import SamplingParams
 from server_utils import MAX_MODEL_LEN, tiny_model, wait_until
+from tandem.engine.async_llm import AsyncLLM, EngineNotReadyError
+from tandem.engine.config import EngineArgs
+from tandem.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_generate_abort_and_shutdown(model_dir):
-    from engine import LLM
+    from tandem import LLM
 
     args = EngineArgs(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 
-from engine.engine_core import (
+from tandem.engine.engine_core import (
     AbortRequests,
     AddRequests,
     EngineDead,
@@ -19,15 +19,15 @@ from engine.engine_core import (
     run_engine_loop,
     stats_since,
 )
-from engine.outputs import (
+from tandem.engine.outputs import (
     CompletionOutput,
     EngineStats,
     OutputAssembly,
     OutputEncoder,
     RequestOutput,
 )
-from engine.request import Request, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from tandem.engine.request import Request, TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
 
 
 def stats(**kw) -> EngineStats:

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
 from server_utils import RemoteServer, child_pids, cmdline, tiny_model
+from tandem import LLM, SamplingParams
 
 PROMPTS = ["Hello world! How are you today?", "Paris is the capital of"]
 

@@ -74,7 +74,7 @@ def async_client(server) -> openai.AsyncOpenAI:
 
 @pytest.fixture(scope="module")
 def offline_llm(model_dir):
-    from engine import LLM
+    from tandem import LLM
 
     llm = LLM(str(model_dir), max_model_len=256)
     yield llm
@@ -132,7 +132,7 @@ def test_chat_shape_and_usage(client, model_name, server):
 
 
 def test_greedy_completion_equals_offline_llm(client, model_name, offline_llm):
-    from engine import SamplingParams
+    from tandem import SamplingParams
 
     want = offline_llm.generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -146,7 +146,7 @@ def test_greedy_completion_equals_offline_llm(client, model_name, offline_llm):
 
 
 def test_greedy_chat_equals_offline_llm(client, model_name, offline_llm, server):
-    from engine import SamplingParams
+    from tandem import SamplingParams
 
     prompt_ids = tokenize(server, messages=MESSAGES)
     want = offline_llm.generate(
@@ -340,7 +340,7 @@ def test_stop_string_is_cut_and_reported(client, loose_client, model_name):
 
 
 def test_stop_token_ids(client, model_name, offline_llm, server):
-    from engine import SamplingParams
+    from tandem import SamplingParams
 
     ids = (
         offline_llm.generate(

@@ -7,8 +7,8 @@ import json
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_mtp_model
+from tandem import LLM, SamplingParams
 
 PROMPT = "Hello world! How are you today?"
 

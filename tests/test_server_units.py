@@ -9,22 +9,22 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from engine.async_llm import QueueFullError, RequestGroup
-from engine.input_processor import ContextLengthExceededError
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import TokenLogprobs
-from server.chat import (
+from server_utils import tiny_model
+from tandem.engine.async_llm import QueueFullError, RequestGroup
+from tandem.engine.input_processor import ContextLengthExceededError
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.request import TokenLogprobs
+from tandem.server.chat import (
     ChatRenderer,
     ChatTemplateError,
     messages_for_template,
     resolve_chat_template,
 )
-from server.cli import _size, build_parser, engine_args_from, main
-from server.errors import APIError, validation_error_to_api_error
-from server.logprobs import TokenText, chat_logprobs, completion_logprobs
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.serving import build_sampling_params, engine_error_to_api
-from server_utils import tiny_model
+from tandem.server.cli import _size, build_parser, engine_args_from, main
+from tandem.server.errors import APIError, validation_error_to_api_error
+from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.serving import build_sampling_params, engine_error_to_api
 
 
 class FakeTokenizer:
@@ -294,7 +294,7 @@ def test_sse_events_survive_any_line_splitter() -> None:
 
     from httpx._decoders import LineDecoder
 
-    from server.serving import sse
+    from tandem.server.serving import sse
 
     chunk = {"choices": [{"text": "a\u2028b\x85c\u2029d\x1ce\r\nf é 日本"}]}
     lines = [x for x in LineDecoder().decode(sse(chunk)) if x]

@@ -16,7 +16,7 @@ from checkpoints import (
     mtp_head_with_vocab,
     zero_residual_writes,
 )
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
 
@@ -349,7 +349,7 @@ def test_fast_draft_chain_proposes_the_loops_drafts(
     """On CPU, greedy Eagle3 draft steps after the first run as one extension call
     (``cpu_decode.eagle3_chain``): after every engine step, the same drafts as the step-by-step
     loop, and the same output."""
-    from kernels import cpu_decode
+    from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
         pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
@@ -385,7 +385,7 @@ def test_fast_mtp_layers_propose_the_eager_drafts(models, method: str, dtype: st
     """On CPU, MTP layers on a Llama block run through the extension (``eh_proj``, then the
     block as a one-layer ``llama_stack``): after every engine step, the drafts of the eager
     layers (fp32; bf16: all but a few rounding flips), and the same output."""
-    from kernels import cpu_decode
+    from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
         pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
@@ -517,7 +517,7 @@ def _dequantized_copy(head: Path, folder: Path, lm_head: torch.Tensor | None) ->
     LM head it borrows (saved as its own, in the head's dtype)."""
     from safetensors.torch import load_file, save_file
 
-    from kernels import cpu_decode
+    from tandem.kernels import cpu_decode
 
     shutil.copytree(head, folder)
     state = load_file(str(head / "model.safetensors"))
@@ -536,7 +536,7 @@ def test_int8_draft_quantization(models, baseline, tmp_path: Path, with_lm_head:
     CPU fast path as int8 rows; its drafts after every step are those of the same head stored
     with the dequantized values (rounding aside), the output is the target's, and a borrowed
     LM head leaves the target's own untouched."""
-    from kernels import cpu_decode
+    from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
         pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
@@ -568,7 +568,7 @@ def test_int8_draft_quantization(models, baseline, tmp_path: Path, with_lm_head:
 
 
 def test_int8_draft_quantization_needs_the_cpu_fast_path(models, monkeypatch) -> None:
-    from engine.config import EngineArgs
+    from tandem.engine.config import EngineArgs
 
     spec = {**_spec(models, "eagle3", 3), "draft_quantization": "int8"}
     with pytest.raises(ValueError, match="draft_quantization.*one rank"):

@@ -20,12 +20,17 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoints import build_llama
-from engine import LLM, EngineArgs, LLMEngine, SamplingParams
-from engine.distributed import LaunchEnv, collective_timeout
-from engine.executor import MultiProcExecutor, RankFailedError, make_executor
-from models.loader import check_complete, iterate_checkpoint, load_hf_config, safetensors_files
-from models.parallel import ParallelMapping
-from models.registry import resolve_model_class
+from tandem import LLM, EngineArgs, LLMEngine, SamplingParams
+from tandem.engine.distributed import LaunchEnv, collective_timeout
+from tandem.engine.executor import MultiProcExecutor, RankFailedError, make_executor
+from tandem.models.loader import (
+    check_complete,
+    iterate_checkpoint,
+    load_hf_config,
+    safetensors_files,
+)
+from tandem.models.parallel import ParallelMapping
+from tandem.models.registry import resolve_model_class
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], list(range(40, 51)), [100], list(range(60, 97))]
@@ -165,8 +170,8 @@ def test_startup_failure_raises_and_reaps_ranks(ckpts: dict[str, Path]) -> None:
 
 _ORPHAN_SCRIPT = """
 import json, multiprocessing, os, signal, sys, time
-from engine import LLM, SamplingParams
-from engine.distributed import start_parent_watchdog
+from tandem import LLM, SamplingParams
+from tandem.engine.distributed import start_parent_watchdog
 
 def idle():  # in no collective: only the watchdog can end it
     start_parent_watchdog()
@@ -199,7 +204,7 @@ def test_ranks_exit_when_the_engine_process_dies(ckpts: dict[str, Path]) -> None
 
 _LAUNCHED_SCRIPT = """
 import json, sys
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 prompts, model = json.loads(sys.argv[2]), sys.argv[1]
 with LLM(model, dtype="float32", tensor_parallel_size=2) as llm:  # ranks != 0 stay inside
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))

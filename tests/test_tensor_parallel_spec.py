@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_head_with_vocab
-from engine import LLM, SamplingParams
+from tandem import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(40, 70)), [100, 101]]
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from checkpoints import build_llama
-from engine import LLM, SamplingParams
-from engine.training import data as D
-from engine.training.trainer import STATE_FILE, TrainArgs, train_draft
+from tandem import LLM, SamplingParams
+from tandem.engine.training import data as D
+from tandem.engine.training.trainer import STATE_FILE, TrainArgs, train_draft
 
 PROMPTS = ["Hello world!", "Paris is the capital", "tokens, blocks, caches", "How are you?"]
 METHODS = ("eagle3", "mtp")
@@ -202,10 +202,10 @@ def test_training_forward_drafts_what_the_engine_drafts(
 ) -> None:
     """The training unroll, fed its own argmax, proposes exactly the engine's drafts at every
     step: same capture layers, hidden inputs, positions and draft attention pattern."""
-    from engine.training.evaluate import load_trained_head
-    from engine.training.features import compute_features
-    from engine.training.ttt import dense_attention, unroll_draft
-    from models.loader import load_model
+    from tandem.engine.training.evaluate import load_trained_head
+    from tandem.engine.training.features import compute_features
+    from tandem.engine.training.ttt import dense_attention, unroll_draft
+    from tandem.models.loader import load_model
 
     model = load_model(str(target), dtype=torch.float32)
     head = load_trained_head(method, str(trained[method]), model, str(target))
@@ -234,8 +234,8 @@ def test_offline_simulation_agrees_with_the_engine(
 ) -> None:
     """Walking the engine's own greedy outputs with the training forward's drafts gives the
     engine's tokens per step (up to how the last step before max_tokens is counted)."""
-    from engine.training.evaluate import load_trained_head, simulate_greedy_speculation
-    from models.loader import load_model
+    from tandem.engine.training.evaluate import load_trained_head, simulate_greedy_speculation
+    from tandem.models.loader import load_model
 
     params = SamplingParams(temperature=0, max_tokens=30)
     with LLM(str(target), speculative_config=_spec(trained, method)) as llm:
@@ -254,10 +254,10 @@ def test_offline_simulation_agrees_with_the_engine(
 
 def test_eagle3_input_scale_folds_into_fc(target: Path, tmp_path: Path) -> None:
     """fc trains on unit-scale inputs; the saved fc applies the scale itself: same map."""
-    from engine.training.eagle3 import Eagle3Head
-    from engine.training.evaluate import load_trained_head
-    from engine.training.features import Features
-    from models.loader import load_model
+    from tandem.engine.training.eagle3 import Eagle3Head
+    from tandem.engine.training.evaluate import load_trained_head
+    from tandem.engine.training.features import Features
+    from tandem.models.loader import load_model
 
     model = load_model(str(target), dtype=torch.float32)
     head = Eagle3Head(model, torch.arange(0, 320, 2), (1, 2, 3))
@@ -284,8 +284,8 @@ def test_new_vocab_carries_the_shared_lm_head_rows(
 
     from safetensors.torch import load_file, save_file
 
-    from engine.training.eagle3 import Eagle3Head, head_vocab_ids
-    from models.loader import load_model
+    from tandem.engine.training.eagle3 import Eagle3Head, head_vocab_ids
+    from tandem.models.loader import load_model
 
     old = head_vocab_ids(trained["eagle3"])
     model = load_model(str(target), dtype=torch.float32)
@@ -383,8 +383,8 @@ def test_mtp_fine_tune_keeps_the_heads_draft_vocabulary(
 def test_feature_cache_is_per_sequence_and_survives_more_data(
     target: Path, trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.training.features as F
-    from models.loader import load_model
+    import tandem.engine.training.features as F
+    from tandem.models.loader import load_model
 
     model = load_model(str(target), dtype=torch.float32)
     rows = D.read_responses(trained["eagle3"] / "responses.jsonl")
@@ -417,8 +417,8 @@ def test_soft_labels_are_the_targets_distribution_for_each_label(
     from the target's softmax (0 for a draft that reproduces it), and hard labels still train."""
     from unittest import mock
 
-    from engine.training import trainer as T
-    from models.loader import load_model
+    from tandem.engine.training import trainer as T
+    from tandem.models.loader import load_model
 
     seen: list[tuple] = []
     responses = str(trained["eagle3"] / "responses.jsonl")
@@ -474,7 +474,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_warns(
 ) -> None:
     """bf16 autocast on an AVX2-only CPU was measured 11x slower than fp32 (26.7 vs 2.3 s per
     Eagle3 step): the trainer says so before it starts."""
-    from engine.training import trainer
+    from tandem.engine.training import trainer
 
     missing = str(tmp_path / "no-such-model")
     for has_bf16, warned in ((False, True), (True, False)):
@@ -498,11 +498,11 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
 
     root = Path(__file__).resolve().parents[1]
     setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert {"engine.training", "models.heads"} <= set(setup["packages"])
-    assert setup["package-data"]["engine.training"] == ["data/*.jsonl", "data/*.jsonl.gz"]
+    assert {"tandem.engine.training", "tandem.models.heads"} <= set(setup["packages"])
+    assert setup["package-data"]["tandem.engine.training"] == ["data/*.jsonl", "data/*.jsonl.gz"]
     data = root / "engine" / "training" / "data"
     assert len(list(data.glob("*.jsonl.gz"))) >= 4, "the shipped answer files match the globs"
-    assert "*/model.safetensors" in setup["package-data"]["models.heads"]
+    assert "*/model.safetensors" in setup["package-data"]["tandem.models.heads"]
 
 
 def test_synthesized_prompts_are_the_targets_own_and_resume(tmp_path: Path) -> None:
@@ -511,7 +511,7 @@ def test_synthesized_prompts_are_the_targets_own_and_resume(tmp_path: Path) -> N
     and an excluded prompt is skipped while the rest stay the same."""
     from transformers import AutoTokenizer
 
-    from models.builtin import builtin_model_path
+    from tandem.models.builtin import builtin_model_path
 
     model = builtin_model_path()
     tok = AutoTokenizer.from_pretrained(model)
@@ -618,7 +618,7 @@ def test_shipped_answers_are_the_train_prompts_through_the_chat_template(
     train prompt or one of the other synthesized set."""
     from transformers import AutoTokenizer
 
-    from models.builtin import builtin_model_path
+    from tandem.models.builtin import builtin_model_path
 
     def rows_of(name: str) -> list[dict]:
         return D.read_responses(D.shipped_prompts_path("train").parent / f"{name}.jsonl.gz")
@@ -646,9 +646,9 @@ def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
     """Real loader, meta tensors: every tensor present with the right shape, no compute."""
     from types import SimpleNamespace
 
-    from models.heads import builtin_head_path
-    from models.llama import LlamaForCausalLM
-    from models.loader import load_draft, load_hf_config
+    from tandem.models.heads import builtin_head_path
+    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.loader import load_draft, load_hf_config
 
     folder = Path(builtin_head_path(method))
     files = sorted(p.name for p in folder.iterdir())
@@ -677,11 +677,11 @@ def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
 
 
 def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -> None:
-    import models.builtin
-    from models.heads import builtin_head_path
-    from server.cli import build_parser, engine_args_from
+    import tandem.models.builtin
+    from tandem.models.heads import builtin_head_path
+    from tandem.server.cli import build_parser, engine_args_from
 
-    monkeypatch.setattr(models.builtin, "builtin_model_path", lambda: str(tmp_path))
+    monkeypatch.setattr(tandem.models.builtin, "builtin_model_path", lambda: str(tmp_path))
 
     def spec(*argv: str) -> dict | None:
         return engine_args_from(build_parser().parse_args(["serve", *argv])).speculative_config
@@ -710,7 +710,7 @@ def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -
 def test_cli_trains_then_evaluates_with_the_engine(
     target: Path, trained: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from server.cli import main
+    from tandem.server.cli import main
 
     out = tmp_path / "head"
     responses = str(trained["eagle3"] / "responses.jsonl")

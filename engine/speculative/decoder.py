@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.sampler import SamplingTensors, probs_for_rows
-from engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
-from kernels import cpu_decode
-from kernels.paged_attention import build_attention_plan
-from kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
-from models.attention import AttentionMetadata
-from models.parallel import ParallelMapping, adp_lm_head_tp_argmax
+from tandem.engine.sampler import SamplingTensors, probs_for_rows
+from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
+from tandem.kernels import cpu_decode
+from tandem.kernels.paged_attention import build_attention_plan
+from tandem.kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
+from tandem.models.attention import AttentionMetadata
+from tandem.models.parallel import ParallelMapping, adp_lm_head_tp_argmax
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from models.parallel import ParallelMapping
+from tandem.models.parallel import ParallelMapping
 
 DISABLE_ROW_PICK_ENV = "TLLM_SPEC_DISABLE_DRAFT_ROW_PICK"
 

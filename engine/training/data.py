@@ -54,7 +54,7 @@ def shipped_prompts_path(name: str) -> Path:
     """The prompt set that ships with the project: ``train`` (2650) or ``eval`` (60)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"prompt set {name!r} is unknown; use one of {PROMPT_SETS}")
-    return Path(str(resources.files("engine.training") / "data" / f"{name}_prompts.jsonl"))
+    return Path(str(resources.files("tandem.engine.training") / "data" / f"{name}_prompts.jsonl"))
 
 
 def load_prompts(path: str | os.PathLike | None = None, name: str = "train") -> list[str]:
@@ -129,7 +129,7 @@ def distill(
     ``seed + i`` (reproducible, and resumable to the same text). Sampled answers widen the
     contexts the head sees; train on them with soft labels (the target's distribution at each
     position), since a sampled token is not the target's greedy choice."""
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     out = Path(out)
     done: list[dict[str, Any]] = read_responses(out) if out.is_file() else []
@@ -221,7 +221,7 @@ def synthesize_prompts(
     ``exclude`` (case and spacing ignored). Gives a target without a prompt set varied
     prompts from its own chat distribution to self-distill (the shipped eval prompts are
     excluded by the CLI). At most ``4 * num`` attempts; fewer prompts come back if they run out."""
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     if num < 1:
         raise ValueError(f"num={num!r} is invalid: must be >= 1")

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.training.data import chat_prompt_ids
+from tandem.engine.training.data import chat_prompt_ids
 
 
 @dataclass
@@ -61,7 +61,7 @@ def evaluate_head(
 ) -> EvalResult:
     """Greedy generation of ``prompts`` (chat template) with and without speculation;
     ``baseline``: the outputs without speculation when already known (same ``max_tokens``)."""
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine_args = {"max_num_seqs": max_num_seqs, **engine_args}
@@ -116,12 +116,12 @@ def simulate_greedy_speculation(
     tokens per step the engine would see on these outputs."""
     import torch
 
-    from engine.training import data as D
-    from engine.training.features import compute_features
-    from engine.training.ttt import dense_attention, unroll_draft
+    from tandem.engine.training import data as D
+    from tandem.engine.training.features import compute_features
+    from tandem.engine.training.ttt import dense_attention, unroll_draft
 
     target = head.target
-    from engine.training.eagle3 import default_capture_layers
+    from tandem.engine.training.eagle3 import default_capture_layers
 
     layers = int(target.config.num_hidden_layers)
     capture = getattr(head, "capture_layers", None) or default_capture_layers(layers)
@@ -131,7 +131,7 @@ def simulate_greedy_speculation(
     batches = D.make_batches(seqs, batch_tokens)
     store = None
     if feature_cache:  # bf16 features, kept for the next evaluation
-        from engine.training.features import FeatureStore
+        from tandem.engine.training.features import FeatureStore
 
         store = FeatureStore(target, seqs, batches, tuple(capture), feature_cache)
     for n, idx in enumerate(batches):
@@ -180,13 +180,13 @@ def load_trained_head(method: str, folder: str, target: Any, target_path: str) -
     from pathlib import Path
 
     if method == "eagle3":
-        from engine.training.eagle3 import Eagle3Head, head_vocab_ids
+        from tandem.engine.training.eagle3 import Eagle3Head, head_vocab_ids
 
         cfg = json.loads((Path(folder) / "config.json").read_text())
         capture = tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         head = Eagle3Head(target, head_vocab_ids(folder), capture)
     else:
-        from engine.training.mtp import MTPHead
+        from tandem.engine.training.mtp import MTPHead
 
         head = MTPHead(target, target_path)
     head.load_head(folder)

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.training.export import init_linear_, save_head, unfused_state
-from engine.training.features import Features
-from models.mtp import MTPDraft
-from models.parallel import ParallelMapping
+from tandem.engine.training.export import init_linear_, save_head, unfused_state
+from tandem.engine.training.features import Features
+from tandem.models.mtp import MTPDraft
+from tandem.models.parallel import ParallelMapping
 
 
 class MTPHead:
@@ -117,7 +117,7 @@ class MTPHead:
 
     def load_head(self, folder: str | os.PathLike) -> None:
         """Start from a saved MTP head's weights (and keep its draft vocabulary, if any)."""
-        from models.loader import find_tensor, iterate_checkpoint, safetensors_files
+        from tandem.models.loader import find_tensor, iterate_checkpoint, safetensors_files
 
         first = int(self.target_config.num_hidden_layers)
         self.d2t = find_tensor(safetensors_files(folder), "d2t")

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from engine.training import data as D
-from engine.training.features import FeatureStore
-from engine.training.ttt import dense_attention, unroll_draft
+from tandem.engine.training import data as D
+from tandem.engine.training.features import FeatureStore
+from tandem.engine.training.ttt import dense_attention, unroll_draft
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 
 def _load_target(path: str, device: str) -> Any:
-    from models.loader import load_model
+    from tandem.models.loader import load_model
 
     target = load_model(path, dtype=torch.float32, device=device)
     target.requires_grad_(False)
@@ -198,7 +198,7 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
 
 
 def _capture_layers(args: TrainArgs, target: Any) -> tuple[int, ...]:
-    from engine.training.eagle3 import default_capture_layers
+    from tandem.engine.training.eagle3 import default_capture_layers
 
     layers = args.capture_layers or default_capture_layers(int(target.config.num_hidden_layers))
     return tuple(int(i) for i in layers)
@@ -206,18 +206,18 @@ def _capture_layers(args: TrainArgs, target: Any) -> tuple[int, ...]:
 
 def _make_head(args: TrainArgs, target: Any, target_path: str, seqs: list, saved: dict) -> Any:
     if args.method == "mtp":
-        from engine.training.mtp import MTPHead
+        from tandem.engine.training.mtp import MTPHead
 
         return MTPHead(
             target, target_path, max_loss_rows=args.max_loss_rows, seed=args.seed, init=args.init
         )
-    from engine.training.eagle3 import Eagle3Head
+    from tandem.engine.training.eagle3 import Eagle3Head
 
     capture = tuple(saved.get("capture_layers") or _capture_layers(args, target))
     if "vocab_ids" in saved:
         vocab_ids = saved["vocab_ids"]
     elif args.init_from and not args.new_vocab:
-        from engine.training.eagle3 import head_vocab_ids
+        from tandem.engine.training.eagle3 import head_vocab_ids
 
         vocab_ids = head_vocab_ids(args.init_from)
     else:
@@ -243,7 +243,7 @@ def train_draft(args: TrainArgs) -> TrainResult:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.target is None:
-        from models.builtin import builtin_model_path
+        from tandem.models.builtin import builtin_model_path
 
         target_path = builtin_model_path()
     else:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import PagedAttention
+from tandem.models.attention import PagedAttention
 
 
 @dataclass

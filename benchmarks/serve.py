@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.bench_support import BenchError, LocalServer, plot_runs, require_matplotlib
+from tandem.bench.support import BenchError, LocalServer, plot_runs, require_matplotlib
 
 EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "engine/training/data/eval_prompts.jsonl"
 DEFAULT_TEXT_MAX_TOKENS = 256  # eval / jsonl prompts without their own max_tokens

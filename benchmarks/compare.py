@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.bench_serve import EVAL_PROMPTS, BenchError, int_list, read_jsonl_prompts
+from tandem.bench.serve import EVAL_PROMPTS, BenchError, int_list, read_jsonl_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_HEADS = REPO / "models" / "heads"
@@ -40,7 +40,7 @@ BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
 BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"
 NONE = "none"  # --eagle3 none / --mtp none: skip that row
 BATCH1_PROMPTS = 16  # default prompts timed one at a time for the batch-1 column
-SPEEDUP_GOAL = 1.6  # speculation's batch-1 goal over no speculation (README, "Speed")
+SPEEDUP_GOAL = 1.6  # speculation's batch-1 goal over no speculation (README, "Benchmarks")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,9 +214,9 @@ class TandemSystem:
         name: str,
         warm_up: list[int],
     ) -> None:
-        from engine.config import EngineArgs
-        from engine.llm_engine import LLMEngine
-        from engine.sampling_params import SamplingParams
+        from tandem.engine.config import EngineArgs
+        from tandem.engine.llm_engine import LLMEngine
+        from tandem.engine.sampling_params import SamplingParams
 
         self.row = Row(name)
         self.spec = spec
@@ -320,7 +320,7 @@ class TransformersSystem:
         import torch
         import transformers as tf
 
-        from engine.llm_engine import as_id_set
+        from tandem.engine.llm_engine import as_id_set
 
         dtype = getattr(torch, cfg.dtype)
         self.dev = torch.device(cfg.device)
@@ -596,7 +596,7 @@ def _main(ns: argparse.Namespace) -> int:
         raise BenchError("--batch1-prompts and --rounds must be >= 1")
     builtin = ns.model is None
     if builtin:
-        from models.builtin import builtin_model_path
+        from tandem.models.builtin import builtin_model_path
 
         try:
             model = builtin_model_path()
@@ -606,7 +606,7 @@ def _main(ns: argparse.Namespace) -> int:
         model = ns.model
         if not Path(model).is_dir():
             raise BenchError(f"--model {model!r} is not a model folder")
-    from models.loader import load_hf_config
+    from tandem.models.loader import load_hf_config
 
     config = load_hf_config(model)
     k = ns.num_speculative_tokens

@@ -9,9 +9,9 @@ One command, TP = 1, prints tables:
   4. the Triton kernels (kernels/paged_attention.py, kernels/spec_decode.py) against their
      PyTorch references: time and largest difference.
 
-    python benchmarks/gpu_bench.py              # about a minute on one H200
-    python benchmarks/gpu_bench.py --quick      # fewer batch sizes and iterations (gpu_check)
-    python benchmarks/gpu_bench.py --smoke      # tiny model on CPU: checks the code paths only
+    python -m tandem.bench.gpu              # about a minute on one H200
+    python -m tandem.bench.gpu --quick      # fewer batch sizes and iterations (gpu_check)
+    python -m tandem.bench.gpu --smoke      # tiny model on CPU: checks the code paths only
 
 CUDA graphs here are captured around the benchmark's own step with ``torch.cuda.CUDAGraph``: it
 measures the same decode step that engine/cuda_graph.py replays. ``ENGINE_GRAPH_SWITCHES`` lists
@@ -28,11 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 NOMINAL_HBM = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.0e12}
 ENGINE_GRAPH_SWITCHES = ("enforce_eager", "cuda_graphs", "use_cuda_graphs", "enable_cuda_graphs")
@@ -147,8 +143,8 @@ def build_model(config: Any, device: Any, dtype: Any) -> Any:
     """Our LlamaForCausalLM with random weights, built directly on ``device``."""
     import torch
 
-    from models.llama import LlamaForCausalLM
-    from models.loader import default_dtype
+    from tandem.models.llama import LlamaForCausalLM
+    from tandem.models.loader import default_dtype
 
     with default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(config)
@@ -203,7 +199,7 @@ def step_inputs(
     on its own ``blocks_per_seq`` blocks."""
     import torch
 
-    from models.attention import AttentionMetadata
+    from tandem.models.attention import AttentionMetadata
 
     tables = torch.arange(batch * blocks_per_seq, device=device, dtype=torch.int32)
     tables = tables.view(batch, blocks_per_seq)
@@ -239,7 +235,7 @@ class Setup:
 
 
 def measure_bandwidth(s: Setup) -> float:
-    from server.bench_compare import measure_memory_bandwidth
+    from tandem.bench.compare import measure_memory_bandwidth
 
     size = (64 << 20) if s.args.smoke else (2 << 30)
     bw = measure_memory_bandwidth(size, repeats=3 if s.args.smoke else 10, device=s.device.type)
@@ -315,10 +311,10 @@ def eagle3_step(s: Setup, model: Any, k: int) -> None:
     """A speculative step (verify K + 1 rows per request, accept, K draft steps) vs a plain one."""
     import torch
 
-    from kernels.spec_decode import accept_matching
-    from models.eagle3 import Eagle3Draft
-    from models.loader import default_dtype
-    from models.parallel import ParallelMapping
+    from tandem.kernels.spec_decode import accept_matching
+    from tandem.models.eagle3 import Eagle3Draft
+    from tandem.models.loader import default_dtype
+    from tandem.models.parallel import ParallelMapping
 
     cfg = copy.deepcopy(s.config)  # the draft: one Llama layer of the target's shape
     cfg.num_hidden_layers = 1
@@ -385,14 +381,14 @@ def kernel_section(s: Setup) -> None:
     """Triton kernels against their PyTorch references (time, largest difference)."""
     import torch
 
-    from kernels.spec_decode import (
+    from tandem.kernels.spec_decode import (
         accept_matching,
         build_draft_step0_inputs,
         rejection_sample,
     )
 
     print("\n== Triton kernels vs PyTorch (median ms; max |difference|)")
-    from kernels.paged_attention import triton_interpreter_enabled
+    from tandem.kernels.paged_attention import triton_interpreter_enabled
 
     if s.device.type != "cuda" and not triton_interpreter_enabled():
         print("(Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1; skipped)")
@@ -451,7 +447,7 @@ def _attention_case(s: Setup, b: int, ql: int, gen: Any) -> list[str]:
     """One paged-attention shape: Triton, the vectorized PyTorch path and the loop reference."""
     import torch
 
-    from kernels.paged_attention import (
+    from tandem.kernels.paged_attention import (
         build_attention_plan,
         paged_attention,
         paged_attention_reference,
@@ -490,7 +486,7 @@ def _attention_case(s: Setup, b: int, ql: int, gen: Any) -> list[str]:
 
 def engine_section(s: Setup, switch: str) -> None:
     """The engine end to end on ``--engine-model``, with its CUDA-graph switch off and on."""
-    from engine import LLM, SamplingParams
+    from tandem import LLM, SamplingParams
 
     sizes = s.args.batch_sizes
     tokens = 8 if s.args.smoke else 64
@@ -524,7 +520,7 @@ def engine_section(s: Setup, switch: str) -> None:
 
 def engine_graph_switch() -> str | None:
     """The ``EngineArgs`` field that turns CUDA graphs on or off, once the engine has one."""
-    from engine.config import EngineArgs
+    from tandem.engine.config import EngineArgs
 
     names = EngineArgs.field_names()
     return next((n for n in ENGINE_GRAPH_SWITCHES if n in names), None)
@@ -574,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.smoke and not torch.cuda.is_available():
         print(
-            "gpu_bench.py needs a CUDA device (torch sees none); run it on a GPU node, or pass "
+            "tandem.bench.gpu needs a CUDA device (torch sees none); run it on a GPU node, or pass "
             "--smoke for a tiny CPU run that only checks the code paths",
             file=sys.stderr,
         )
@@ -594,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     switch = engine_graph_switch()
     print(
-        f"gpu_bench: {_device_name(device)}, torch {torch.__version__}, "
+        f"tandem.bench.gpu: {_device_name(device)}, torch {torch.__version__}, "
         f"{'tiny smoke model' if args.smoke else f'Llama-3.1-8B shape ({args.layers} layers)'}, "
         f"{str(dtype).removeprefix('torch.')}, TP=1; engine CUDA-graph switch: "
         f"{f'EngineArgs.{switch}' if switch else 'none yet (graphs captured here directly)'}"

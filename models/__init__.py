@@ -1,1 +1,0 @@
-"""nn.Modules and weight loading for the models Tandem serves."""
