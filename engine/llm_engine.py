@@ -14,11 +14,11 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
-from tandem.engine.model_runner import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler
+from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
-from tandem.engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.engine.step import DPStepInput, StepInput, StepOutput
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.layers import (
     pack_cpu_linears,
