@@ -49,16 +49,25 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 
 
 def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
-    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4)."""
+    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4) clamped
+    into [0, L) (our default, so a very shallow target still gets three). Configured or
+    checkpoint layers are used as given: outside [0, L), repeated, or not three is a
+    ``ValueError`` that names the valid range."""
     layers = getattr(spec, "eagle3_layers_to_capture", None)
+    source = "speculative_config.eagle3_layers_to_capture"
     if layers is None:
         eagle = getattr(draft_config, "eagle_config", None) or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+        source = "the draft checkpoint's eagle_config.eagle_aux_hidden_state_layer_ids"
     if layers is None:
-        layers = (1, num_layers // 2 - 1, num_layers - 4)
-    layers = tuple(max(0, min(int(i), num_layers - 1)) for i in layers)
-    if len(layers) != 3:
-        raise ValueError(f"eagle3_layers_to_capture={layers} must name 3 target layers")
+        default = (1, num_layers // 2 - 1, num_layers - 4)
+        return tuple(max(0, min(i, num_layers - 1)) for i in default)
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= i < num_layers for i in layers):
+        raise ValueError(
+            f"{source}={list(layers)}: an Eagle3 head reads 3 distinct target layers in "
+            f"[0, {num_layers}) (the target has {num_layers} layers)"
+        )
     return layers
 
 

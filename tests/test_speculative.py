@@ -583,3 +583,23 @@ def test_int8_draft_quantization_needs_the_cpu_fast_path(models, monkeypatch) ->
     monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
     with pytest.raises(ValueError, match="needs the CPU decode fast path.*TANDEM_CPU_FAST_DECODE"):
         LLM(str(models["target"]), speculative_config=spec)
+
+
+def test_eagle3_capture_layers_are_refused_not_clamped() -> None:
+    from types import SimpleNamespace
+
+    from tandem.engine.worker import eagle3_capture_layers
+
+    def layers(given: list[int] | None, ckpt: list[int] | None = None, n: int = 4):
+        spec = SimpleNamespace(eagle3_layers_to_capture=given)
+        draft = SimpleNamespace(eagle_config={"eagle_aux_hidden_state_layer_ids": ckpt})
+        return eagle3_capture_layers(spec, draft, n)
+
+    assert layers([0, 2, 3]) == (0, 2, 3)
+    assert layers(None, [1, 2, 3]) == (1, 2, 3)
+    assert layers(None, None, 32) == (1, 15, 28)  # the default
+    for bad in ([1, 50, 99], [1, 3, 3], [0, 1], [-1, 1, 2]):
+        with pytest.raises(ValueError, match=r"3 distinct target layers in \[0, 4\)"):
+            layers(bad)
+    with pytest.raises(ValueError, match="draft checkpoint's eagle_config"):
+        layers(None, [1, 2, 7])
