@@ -603,3 +603,80 @@ def test_eagle3_capture_layers_are_refused_not_clamped() -> None:
             layers(bad)
     with pytest.raises(ValueError, match="draft checkpoint's eagle_config"):
         layers(None, [1, 2, 7])
+
+
+SPEC_METHODS = ["eagle3", "mtp-eagle", "mtp-vanilla"]
+
+
+def _target(models: dict[str, Path], method: str) -> str:
+    return str(models["vanilla" if method == "mtp-vanilla" else "target"])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_generated_tokens_become_reusable_under_speculation(models, method: str, k: int) -> None:
+    """A follow-up made of a prompt and its answer hits as many cached tokens with speculation
+    as without: generated blocks are hashed after the KV rewind and the accepted tokens (they
+    were hashed while the draft rows still counted, on a shorter slice of tokens). A block is
+    keyed with the tokens its draft KV reads after it (one; vanilla MTP's K layers: K), so the
+    follow-up matches up to its last block with those in the prompt."""
+    prompt = list(range(40, 77))  # 37 tokens
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hits = {}
+    for spec in (None, _spec(models, method, k)):
+        with LLM(_target(models, method), speculative_config=spec) as llm:
+            (answer,) = _tokens(llm.generate([prompt], params))
+            follow_up = prompt + answer
+            (out,) = llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=1))
+            hits[spec is None] = out.num_cached_tokens
+    follow = k if method == "mtp-vanilla" else 1
+    expected = min(hits[True], (len(follow_up) - follow) // 16 * 16)
+    assert hits[True] == (len(follow_up) - 1) // 16 * 16 == 64
+    assert hits[False] == expected
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_shared_prefix_drafts_equal_the_uncached_run(models, method: str) -> None:
+    """Two prompts share 32 tokens (two blocks) and then differ: the second reuses the first's
+    blocks, but not a block whose last slot's draft KV was computed from the first prompt's next
+    token. Every draft after every step equals the run without prefix caching."""
+    shared = list(range(40, 72))
+    prompts = [shared + [5, 6, 7, 8], shared + [100, 101, 102]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for caching in (False, True):
+        with LLM(
+            _target(models, method),
+            speculative_config=_spec(models, method, 3),
+            enable_prefix_caching=caching,
+        ) as llm:
+            first = _step_through(llm, prompts[:1], params)
+            second = _step_through(llm, prompts[1:], params)
+            runs.append((first, second, llm.engine.get_stats().prefix_cache_hits))
+    assert runs[1][:2] == runs[0][:2]
+    assert _all_drafts(runs[0][1][1])
+    assert runs[1][2] == 16  # the first block matched; the second's draft KV is the first's
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+def test_min_tokens_with_a_stop_string_under_speculation(models, method: str) -> None:
+    """Several tokens arrive per step: the text still equals the decoded tokens, cut only at a
+    stop string found once min_tokens is reached."""
+    from text_checks import check_text_against_tokens
+
+    prompt = [5, 6, 7]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(models["target"]), speculative_config=_spec(models, method, 3)) as llm:
+        text, _, tokens = check_text_against_tokens(llm, prompt, free)
+        early = llm.tokenizer.decode(tokens[:3], skip_special_tokens=True)
+        stop = early[-2:]
+        assert stop and stop in text
+        for min_tokens in (0, 7, 24):
+            params = SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True, min_tokens=min_tokens, stop=[stop]
+            )
+            _, reason, ids = check_text_against_tokens(llm, prompt, params)
+            assert ids == tokens[: len(ids)] and len(ids) >= min_tokens
+            assert reason == stop or len(ids) == 24
+            assert (reason == stop) if min_tokens == 0 else True
+            assert (reason is None) if min_tokens == 24 else True
