@@ -680,3 +680,31 @@ def test_min_tokens_with_a_stop_string_under_speculation(models, method: str) ->
             assert reason == stop or len(ids) == 24
             assert (reason == stop) if min_tokens == 0 else True
             assert (reason is None) if min_tokens == 24 else True
+
+
+def test_start_up_kv_check_counts_the_draft_look_ahead(models) -> None:
+    """A KV budget of exactly max_model_len's blocks started, then refused long requests with a
+    400 about max_tokens: a request also holds the draft loop's 2K look-ahead slots. Start-up
+    now refuses it and says how much memory to add; with that added, a max_model_len request
+    runs."""
+    import re
+
+    def start(budget: int) -> LLM:
+        return LLM(
+            str(models["target"]),
+            speculative_config=_spec(models, "eagle3", 3),
+            max_model_len=64,  # 4 blocks of 16; with 6 look-ahead slots a request holds 5
+            kv_cache_memory_bytes=budget,
+        )
+
+    def missing(budget: int) -> int:
+        with pytest.raises(ValueError, match="max_model_len=64 needs 5") as e:
+            start(budget)
+        return int(re.search(r"add (\d+) bytes", str(e.value))[1])
+
+    per_block = missing(1) // 5
+    assert missing(4 * per_block) == per_block  # max_model_len's own blocks are not enough
+    with start(5 * per_block) as llm:
+        params = SamplingParams(temperature=0, max_tokens=61, ignore_eos=True)
+        (out,) = llm.generate([[5, 6, 7]], params)
+        assert len(out.outputs[0].token_ids) == 61
