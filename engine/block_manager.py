@@ -1,32 +1,51 @@
 """Paged KV block allocation with prefix caching of full blocks.
 
 Blocks hold ``block_size`` token slots. A full block whose tokens are computed is registered
-under a hash of (parent block hash, its tokens); a later request with the same prefix reuses it.
-Freed blocks keep their hash and stay reusable until they are evicted (least recently freed
-first) to satisfy an allocation.
+under a hash of (parent block hash, its tokens, the ``follow`` tokens after it); a later request
+with the same prefix reuses it. Freed blocks keep their hash and stay reusable until they are
+evicted (least recently freed first) to satisfy an allocation.
+
+The hash is SHA-256 (``hashlib``) over the parent's digest and the tokens as 32-bit integers, so
+no crafted prompt can make one request reuse another's blocks. ``follow`` is what else decides
+a block's contents: with a draft head, the draft KV of a slot is computed from the token after it
+(Eagle3 and MTP), or from the K tokens after it (vanilla MTP's K layers), so a block's last
+slots belong to the tokens that followed it, and the block is reusable only before the same ones.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from tandem.engine.request import Request
 
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """SHA-256 of the parent block's digest (none for the first block) and ``tokens`` as
+    little-endian 32-bit integers."""
+    data = array("i", tokens)
+    if data.itemsize != 4:  # pragma: no cover - every platform Tandem runs on
+        raise RuntimeError("block_hash needs 32-bit C ints")
+    if array("i", [1]).tobytes() != b"\x01\x00\x00\x00":  # pragma: no cover - big-endian
+        data.byteswap()
+    return hashlib.sha256((parent or b"") + data.tobytes()).digest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, follow: int = 0
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache has no blocks (num_blocks={num_blocks})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.follow = follow  # tokens after a block that its contents depend on (see above)
         self.ref_cnt = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash → block id
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash → block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_hits = 0
         self.prefix_queries = 0
@@ -60,27 +79,32 @@ class BlockManager:
         self.ref_cnt[block] = 1
         return block
 
+    def _block_hash(self, parent: bytes | None, tokens: list[int], i: int) -> bytes:
+        """Block ``i``'s hash: its tokens and the ``follow`` tokens after it."""
+        return block_hash(
+            parent, tokens[i * self.block_size : (i + 1) * self.block_size + self.follow]
+        )
+
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks for the request's prompt prefix; returns tokens covered.
 
-        At least one prompt token is always left to compute (its logits are needed)."""
+        At least one prompt token is always left to compute (its logits are needed), and a
+        block matches only with its ``follow`` tokens in the prompt."""
         if not self.enable_prefix_caching or request.block_ids:
             return 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        parent: int | None = None
+        max_blocks = (request.num_tokens - max(1, self.follow)) // self.block_size
+        parent: bytes | None = None
         tokens = request.all_token_ids
         hits: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         for i in range(max_blocks):
-            h = block_hash(parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            h = self._block_hash(parent, tokens, i)
             block = self.cached.get(h)
             if block is None:
                 break
             hits.append(block)
             hashes.append(h)
             parent = h
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         for block in hits:
             if self.ref_cnt[block] == 0:
                 del self.free_queue[block]
@@ -88,6 +112,13 @@ class BlockManager:
         request.block_ids = hits
         request.block_hashes = hashes
         return len(hits) * self.block_size
+
+    def count_prefix_lookup(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count one prompt's lookup (the scheduler calls it once per request, when the request
+        is first admitted, however often it was matched while it waited)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_prompt_tokens
+            self.prefix_hits += num_cached_tokens
 
     def allocate(self, request: Request, num_total_tokens: int) -> bool:
         """Make the request hold enough blocks for ``num_total_tokens`` slots; False if full."""
@@ -109,14 +140,17 @@ class BlockManager:
         request.block_hashes = []
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register every full, computed block of the request for prefix reuse."""
+        """Register every full, computed block of the request whose ``follow`` tokens are known
+        for prefix reuse. ``num_computed_tokens`` counts KV slots whose tokens are final (after
+        a speculative step's rewind, never draft rows)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
         tokens = request.all_token_ids
+        known = min(num_computed_tokens, len(tokens) - self.follow)
+        num_full = min(known // self.block_size, len(request.block_ids))
         parent = request.block_hashes[-1] if request.block_hashes else None
         for i in range(len(request.block_hashes), num_full):
-            h = block_hash(parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))
+            h = self._block_hash(parent, tokens, i)
             block = request.block_ids[i]
             request.block_hashes.append(h)
             if h not in self.cached:

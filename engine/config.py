@@ -115,7 +115,8 @@ class CUDAGraphConfig:
 
     ``enforce_eager``: never capture (every step runs eagerly). ``cuda_graph_batch_sizes``: the
     padded batch sizes to capture, ascending; None: 1, 2, 4, 8, then multiples of 8 up to
-    ``max_num_seqs``. Sizes above ``max_num_seqs`` are dropped. CPU never captures."""
+    ``max_num_seqs``. Sizes above ``max_num_seqs`` are refused (``EngineArgs``). CPU never
+    captures."""
 
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
@@ -317,6 +318,13 @@ class EngineArgs:
 
         if not os.path.isdir(self.model):
             raise ValueError(f"model={self.model!r} is not a local model folder")
+        above = [b for b in self.cuda_graph_batch_sizes or () if b > self.max_num_seqs]
+        if above:
+            raise ValueError(
+                f"cuda_graph_batch_sizes {above} exceed max_num_seqs={self.max_num_seqs}: no "
+                "step is that large, so those graphs would never replay; drop them or raise "
+                "max_num_seqs"
+            )
         hf_config = load_hf_config(self.model)
         limit = int(getattr(hf_config, "max_position_embeddings", 0) or 1 << 20)
         max_model_len = self.max_model_len or min(limit, 4096)

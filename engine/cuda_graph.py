@@ -47,12 +47,13 @@ def batch_size_buckets(max_batch_size: int) -> tuple[int, ...]:
 
 
 def graph_batch_sizes(max_batch_size: int, configured: Sequence[int] | None) -> tuple[int, ...]:
-    """The buckets to capture: the configured sizes up to ``max_batch_size`` (at least the
-    smallest one), else ``batch_size_buckets(max_batch_size)``."""
+    """The buckets to capture: the configured sizes (none above ``max_batch_size``: the engine
+    config refuses those), else ``batch_size_buckets(max_batch_size)``."""
     if configured is None:
         return batch_size_buckets(max_batch_size)
-    sizes = tuple(b for b in configured if b <= max_batch_size)
-    return sizes or (min(configured),)
+    if max(configured) > max_batch_size:
+        raise ValueError(f"cuda_graph_batch_sizes {tuple(configured)} exceed {max_batch_size}")
+    return tuple(configured)
 
 
 # Test-only: replay through the static buffers on CPU (no graph; the same copy-in and slicing).

@@ -46,11 +46,15 @@ class Detokenizer:
         self.pending = ""
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
 
-    def update(self, output_token_ids: list[int], include_stop: bool) -> str | None:
-        """Decode the new tokens; returns the stop string if one now appears (text truncated)."""
+    def update(
+        self, output_token_ids: list[int], include_stop: bool, can_stop: bool = True
+    ) -> str | None:
+        """Decode the new tokens; returns the stop string if one now appears (text truncated).
+        ``can_stop`` False (``min_tokens`` not reached): the text is only decoded, never cut,
+        since generation goes on after it."""
         prev_len = len(self.text) + len(self.pending)
         self._advance(output_token_ids)
-        if not self.stop:
+        if not self.stop or not can_stop:
             return None
         full = self.text + self.pending
         start = max(0, prev_len - self.hold - 1)

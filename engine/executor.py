@@ -37,7 +37,7 @@ from tandem.engine.distributed import (
     rank_device,
     start_parent_watchdog,
 )
-from tandem.engine.model_runner import DPStepInput, StepInput, StepOutput, merge_outputs
+from tandem.engine.step import DPStepInput, StepInput, StepOutput, merge_outputs
 from tandem.engine.worker import Worker
 from tandem.models.parallel import ParallelMapping
 

@@ -36,12 +36,13 @@ from tandem.engine.cuda_graph import ADVANCED, GREEDY, SAMPLED, GraphKey, dummy_
 from tandem.engine.sampler import SamplingTensors
 from tandem.engine.speculative.decoder import VerifyLayout
 from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.step import PreparedInputs, StepInput
 from tandem.kernels.paged_attention import build_attention_plan
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping
 
 if TYPE_CHECKING:
-    from tandem.engine.model_runner import ModelRunner, PreparedInputs
+    from tandem.engine.model_runner import ModelRunner
 
 
 def max_blocks_per_request(max_model_len: int, draft_len: int, block_size: int) -> int:
@@ -305,8 +306,6 @@ class GraphRunner:
         self._alloc()
         if self.use_cuda:
             self.pool = torch.cuda.graph_pool_handle()
-        from tandem.engine.model_runner import StepInput
-
         for b in sorted(self.batch_sizes, reverse=True):
             inp = runner.prepare(runner.pad_generation(StepInput([]), b), self._counts(b))
             self._copy_target(b, inp)

@@ -14,11 +14,11 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
-from tandem.engine.model_runner import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler
+from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,11 @@ class LLMEngine:
         # Graph padding also runs dummy requests on those blocks.
         if self.dp_size > 1 or graph_mode(config.device, config.graph_config.enforce_eager):
             num_blocks -= num_dummy_blocks(cc.block_size, self.num_spec_tokens)
+        # A draft head's KV in a block's last slots is computed from the tokens after it: one
+        # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them.
+        follow = 0 if sc is None else self.num_spec_tokens if self.vanilla_mtp else 1
         self.block_managers = [
-            BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+            BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, follow)
             for _ in range(self.dp_size)
         ]
         self.schedulers = [
@@ -218,8 +221,6 @@ class LLMEngine:
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths
-        for scheduler, sched in zip(self.schedulers, scheds, strict=True):
-            scheduler.cache_computed_blocks(sched.scheduled)
         now = time.monotonic()
         outputs = []
         by_id = {s.request.request_id: s.request for s in scheduled}
@@ -248,6 +249,9 @@ class LLMEngine:
                     break
             if request.first_token_time is None:
                 request.first_token_time = now
+            # Its blocks are registered now that the KV rewind and the accepted tokens are in
+            # (before, a speculative step hashed draft rows' slots with too few tokens).
+            self.schedulers[self.rank_of[rid]].cache_computed_blocks([request])
             if status is not None:
                 self.schedulers[self.rank_of.pop(rid)].finish(request, status)
             elif self.num_spec_tokens:
@@ -262,6 +266,9 @@ class LLMEngine:
             outputs.append(self._make_output(request))
             if status is not None:
                 self.detok.pop(rid, None)
+        # Prefill chunks that sampled nothing this step.
+        for scheduler, sched in zip(self.schedulers, scheds, strict=True):
+            scheduler.cache_computed_blocks([s.request for s in sched.scheduled])
         return outputs
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -276,8 +283,10 @@ class LLMEngine:
                 request.stop_reason = token
                 detok.update(request.output_token_ids, False)
                 return RequestStatus.FINISHED_STOPPED
-        stop = detok.update(request.output_token_ids, p.include_stop_str_in_output)
-        if stop is not None and n_out >= p.min_tokens:
+        stop = detok.update(
+            request.output_token_ids, p.include_stop_str_in_output, n_out >= p.min_tokens
+        )
+        if stop is not None:
             request.stop_reason = stop
             return RequestStatus.FINISHED_STOPPED
         if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:

@@ -7,9 +7,8 @@ per-request random generators, and it receives plain, picklable step description
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,132 +28,26 @@ from tandem.engine.sampler import (
     compute_logprobs,
     sample,
 )
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
 from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.step import (
+    ADP_DUMMY_REQUEST_ID,
+    DUMMY_PARAMS,
+    DPStepInput,
+    PreparedInputs,
+    RequestStep,
+    StepGraphs,
+    StepInput,
+    StepOutput,
+    StepReplay,
+    adp_pad_steps,
+    drop_dummy,
+    is_dummy,
+    num_dummy_blocks,
+)
 from tandem.kernels.paged_attention import build_attention_plan
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import all_ranks_true
-
-if TYPE_CHECKING:
-    from tandem.engine.graph_runner import GraphReplay, GraphRunner
-
-
-@dataclass
-class RequestStep:
-    """One request's share of a step."""
-
-    request_id: str
-    token_ids: list[int]  # tokens fed this step (their KV gets written); drafts come last
-    start: int  # position of token_ids[0]
-    block_ids: list[int]
-    sample: bool  # the step reaches the end of the request's tokens: its last rows are sampled
-    params: SamplingParams | None = None  # set when sample
-    prompt_token_ids: list[int] = field(default_factory=list)  # only when penalties are used
-    output_token_ids: list[int] = field(default_factory=list)
-    num_drafts: int = 0  # the last num_drafts entries of token_ids are drafts to verify
-    next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt
-    # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
-    future_tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class StepInput:
-    requests: list[RequestStep]
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Speculation: False when the step is too large to speculate for (``disable_by_batch_size``):
-    # it verifies the drafts it carries and proposes none (the draft layers still write KV).
-    propose_drafts: bool = True
-
-
-@dataclass
-class StepOutput:
-    request_ids: list[str]  # the sampled requests, in step order
-    token_ids: list[list[int]]  # emitted tokens per request (1 without speculation)
-    logprobs: list[list[TokenLogprobs] | None]
-    num_drafts: list[int] = field(default_factory=list)  # drafts verified per request
-    draft_token_ids: list[list[int]] = field(default_factory=list)  # proposals for next step
-    # Attention DP: per rank (rank order once merged), whether the draft loop sampled
-    # (advanced) and the step's graph key (None: eager).
-    rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
-
-
-@dataclass
-class DPStepInput:
-    """Attention DP: every rank's ``StepInput`` (index = rank). Every rank receives all of them,
-    so the per-rank row counts the MLP collectives need are host data known everywhere."""
-
-    steps: list[StepInput]
-
-
-# Dummy greedy generation requests on reserved KV blocks keep an idle rank (or one without a
-# sampled request) in step with the others' collectives, and pad batches to a graph bucket.
-# Never reported, never counted in statistics.
-ADP_DUMMY_REQUEST_ID = "__adp_dummy__"
-_DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-def num_dummy_blocks(block_size: int, num_spec_tokens: int) -> int:
-    """KV blocks reserved for the dummy request: its token plus the draft loop's lookahead."""
-    return -(-(2 * num_spec_tokens + 2) // block_size)
-
-
-def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]:
-    """When any rank has work, every rank without a sampled request gets ``dummy``, so every rank
-    runs the target forward, the verify and the whole draft loop (same collectives)."""
-    if not any(s.requests for s in steps):
-        return steps
-    return [
-        s
-        if any(r.sample for r in s.requests)
-        else StepInput([*s.requests, dummy], s.finished_request_ids, s.propose_drafts)
-        for s in steps
-    ]
-
-
-def is_dummy(request_id: str) -> bool:
-    return request_id.startswith(ADP_DUMMY_REQUEST_ID)
-
-
-def drop_dummy(out: StepOutput) -> StepOutput:
-    keep = [i for i, rid in enumerate(out.request_ids) if not is_dummy(rid)]
-    if len(keep) == len(out.request_ids):
-        return out
-    return StepOutput(
-        [out.request_ids[i] for i in keep],
-        [out.token_ids[i] for i in keep],
-        [out.logprobs[i] for i in keep],
-        [out.num_drafts[i] for i in keep] if out.num_drafts else [],
-        [out.draft_token_ids[i] for i in keep] if out.draft_token_ids else [],
-        out.rank_paths,
-    )
-
-
-def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
-    """Every rank's output, in rank order (attention DP)."""
-    merged = StepOutput([], [], [])
-    for o in outputs:
-        merged.request_ids += o.request_ids
-        merged.token_ids += o.token_ids
-        merged.logprobs += o.logprobs
-        merged.num_drafts += o.num_drafts
-        merged.draft_token_ids += o.draft_token_ids
-        merged.rank_paths += o.rank_paths
-    return merged
-
-
-@dataclass
-class PreparedInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # last row of each sampled request
-    sampled: list[RequestStep]
-    layout: VerifyLayout | None = None
-    next_tokens: torch.Tensor | None = None
-    future: torch.Tensor | None = None  # [S, K + 1] tokens after each request's last row
-    row_req: torch.Tensor | None = None  # [T] request index of each row
-    row_last: torch.Tensor | None = None  # [T] last row of the row's request
 
 
 class ModelRunner:
@@ -172,7 +65,7 @@ class ModelRunner:
         self.dp_rank = dp_rank
         self.dummy_block_ids: list[int] = []  # attention DP: the reserved blocks (last ones)
         self.graphs: CUDAGraphRunner | None = None  # set by the worker
-        self.graph_runner: GraphRunner | None = None  # captured graphs (worker; CUDA)
+        self.graph_runner: StepGraphs | None = None  # captured graphs (worker; CUDA)
         self.device = device
         self.block_size = block_size
         self.vocab_size = int(model.config.vocab_size)
@@ -230,7 +123,7 @@ class ModelRunner:
             start=0,
             block_ids=list(self.dummy_block_ids),
             sample=True,
-            params=_DUMMY_PARAMS,
+            params=DUMMY_PARAMS,
             num_drafts=self.k,
         )
 
@@ -527,7 +420,7 @@ class ModelRunner:
         hidden: torch.Tensor,
         captured: list[torch.Tensor],
         scanned: bool = False,
-        replay: GraphReplay | None = None,
+        replay: StepReplay | None = None,
         propose_drafts: bool = True,
     ) -> StepOutput:
         spec = self.spec

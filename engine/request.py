@@ -95,7 +95,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None

@@ -171,6 +171,8 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
+                if request.num_preemptions == 0:
+                    self.blocks.count_prefix_lookup(request.num_tokens, request.num_cached_tokens)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -184,7 +186,9 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
         return out
 
-    def cache_computed_blocks(self, scheduled: list[ScheduledRequest]) -> None:
-        for s in scheduled:
-            if not s.request.is_finished:
-                self.blocks.cache_full_blocks(s.request, s.request.num_computed_tokens)
+    def cache_computed_blocks(self, requests: list[Request]) -> None:
+        """Register the requests' full, computed blocks for prefix reuse (after the step's
+        tokens are appended and, under speculation, the KV rewound)."""
+        for request in requests:
+            if not request.is_finished:
+                self.blocks.cache_full_blocks(request, request.num_computed_tokens)

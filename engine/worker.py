@@ -10,8 +10,9 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
-from tandem.engine.model_runner import DPStepInput, ModelRunner, StepInput, StepOutput
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.layers import (
     pack_cpu_linears,
@@ -26,38 +27,70 @@ from tandem.models.parallel import ParallelMapping
 logger = logging.getLogger(__name__)
 
 
+def blocks_required(config: EngineConfig) -> tuple[int, int]:
+    """(blocks one request of ``max_model_len`` holds, blocks kept back for dummy requests):
+    a request holds its tokens plus the draft loop's look-ahead (2K slots); attention DP and
+    CUDA graphs keep ``num_dummy_blocks`` for the padding requests."""
+    cc, sc = config.cache_config, config.scheduler_config
+    spec = config.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 0
+    per_request = -(-(sc.max_model_len + 2 * k) // cc.block_size)
+    pc = config.parallel_config
+    dummies = pc.enable_attention_dp and pc.tensor_parallel_size > 1
+    dummies |= graph_mode(config.device, config.graph_config.enforce_eager) is not None
+    return per_request, num_dummy_blocks(cc.block_size, k) if dummies else 0
+
+
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
-    """Blocks that fit the memory budget, capped at what the scheduler could ever use."""
+    """Blocks that fit the memory budget, capped at what the scheduler could ever use. A budget
+    that cannot hold one request of ``max_model_len`` (with the draft look-ahead and the dummy
+    requests' blocks) is refused here, with the memory to add, rather than at the first long
+    request."""
     cc, sc = config.cache_config, config.scheduler_config
     if cc.num_blocks_override is not None:
         return cc.num_blocks_override
     if config.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(config.device)
         budget = int(free * cc.gpu_memory_utilization)
+        knob = "raise --gpu-memory-utilization or free GPU memory"
     else:
         budget = cc.kv_cache_memory_bytes
-    cap = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) + 1
+        knob = "raise --kv-cache-memory"
+    per_request, reserved = blocks_required(config)
+    cap = sc.max_num_seqs * per_request + reserved + 1
     blocks = min(budget // bytes_per_block, cap)
-    if blocks < -(-sc.max_model_len // cc.block_size):
+    need = per_request + reserved
+    if blocks < need:
+        add = (need - blocks) * bytes_per_block
         raise ValueError(
-            f"the KV cache budget holds {blocks} blocks of {cc.block_size} tokens, fewer than one "
-            f"request of max_model_len={sc.max_model_len} needs; raise the budget or lower "
-            "max_model_len"
+            f"the KV cache budget ({budget} bytes) holds {blocks} blocks of {cc.block_size} "
+            f"tokens; one request of max_model_len={sc.max_model_len} needs {per_request} "
+            f"(with the draft look-ahead) and {reserved} more are kept for dummy requests: add "
+            f"{add} bytes ({add / (1 << 20):.1f} MiB) ({knob}), or lower max_model_len"
         )
     return blocks
 
 
 def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
-    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4)."""
+    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4) clamped
+    into [0, L) (our default, so a very shallow target still gets three). Configured or
+    checkpoint layers are used as given: outside [0, L), repeated, or not three is a
+    ``ValueError`` that names the valid range."""
     layers = getattr(spec, "eagle3_layers_to_capture", None)
+    source = "speculative_config.eagle3_layers_to_capture"
     if layers is None:
         eagle = getattr(draft_config, "eagle_config", None) or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+        source = "the draft checkpoint's eagle_config.eagle_aux_hidden_state_layer_ids"
     if layers is None:
-        layers = (1, num_layers // 2 - 1, num_layers - 4)
-    layers = tuple(max(0, min(int(i), num_layers - 1)) for i in layers)
-    if len(layers) != 3:
-        raise ValueError(f"eagle3_layers_to_capture={layers} must name 3 target layers")
+        default = (1, num_layers // 2 - 1, num_layers - 4)
+        return tuple(max(0, min(i, num_layers - 1)) for i in default)
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= i < num_layers for i in layers):
+        raise ValueError(
+            f"{source}={list(layers)}: an Eagle3 head reads 3 distinct target layers in "
+            f"[0, {num_layers}) (the target has {num_layers} layers)"
+        )
     return layers
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tandem import EngineArgs, SamplingParams
 from tandem.engine.cuda_graph import GraphKey
-from tandem.engine.model_runner import DPStepInput, RequestStep, StepInput, StepOutput
+from tandem.engine.step import DPStepInput, RequestStep, StepInput, StepOutput
 from tandem.engine.worker import Worker
 from tandem.models.parallel import ParallelMapping
 

@@ -26,7 +26,7 @@ from graph_checks import (
     spec_config,
 )
 from tandem import LLM, SamplingParams
-from tandem.engine.config import CUDAGraphConfig
+from tandem.engine.config import CUDAGraphConfig, EngineArgs
 from tandem.engine.cuda_graph import (
     ADVANCED,
     GREEDY,
@@ -163,6 +163,15 @@ def test_adp_agreement_over_two_ranks(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ capture and replay
 
 
+def test_graph_batch_sizes_above_max_num_seqs_are_refused(tiny: dict[str, Path]) -> None:
+    """They were dropped without a word; now the engine config names them."""
+    args = EngineArgs(model=str(tiny["target"]), max_num_seqs=4, cuda_graph_batch_sizes=(1, 8, 16))
+    with pytest.raises(ValueError, match=r"cuda_graph_batch_sizes \[8, 16\] exceed max_num_seqs=4"):
+        args.create_engine_config()
+    ok = EngineArgs(model=str(tiny["target"]), max_num_seqs=4, cuda_graph_batch_sizes=(1, 4))
+    assert ok.create_engine_config().graph_config.cuda_graph_batch_sizes == (1, 4)
+
+
 def test_graph_mode_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(STATIC_GRAPHS_ENV, raising=False)
     assert graph_mode(CPU, enforce_eager=False) is None  # CPU stays eager by default
@@ -172,8 +181,9 @@ def test_graph_mode_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graph_mode(CPU, enforce_eager=False) == "static"
     assert graph_mode(CPU, enforce_eager=True) is None
     assert graph_batch_sizes(16, None) == batch_size_buckets(16)
-    assert graph_batch_sizes(6, (1, 4, 8)) == (1, 4)
-    assert graph_batch_sizes(2, (4, 8)) == (4,)
+    assert graph_batch_sizes(8, (1, 4, 8)) == (1, 4, 8)
+    with pytest.raises(ValueError, match="exceed"):
+        graph_batch_sizes(6, (1, 4, 8))
     for bad in ((), (2, 1), (1, 1), (0, 2)):
         with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
             CUDAGraphConfig(cuda_graph_batch_sizes=bad)

@@ -8,6 +8,7 @@ import pytest
 
 from checkpoints import build_llama
 from tandem import LLM, SamplingParams
+from text_checks import check_text_against_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SHARED = list(range(10, 50))  # a 40-token shared prefix: 2 full blocks of 16
@@ -154,3 +155,66 @@ def test_string_prompt_and_text(ckpt: Path) -> None:
         assert out.outputs[0].text == llm.tokenizer.decode(
             out.outputs[0].token_ids, skip_special_tokens=True
         )
+
+
+def test_block_hash_is_sha256_of_parent_and_token_bytes() -> None:
+    """Python's hash() of a token tuple is not collision-resistant: crafted prompts could make
+    one request reuse another's KV. Blocks are keyed by SHA-256 (hashlib is the oracle)."""
+    import hashlib
+    import struct
+
+    from tandem.engine.block_manager import block_hash
+
+    first = block_hash(None, [1, 2, 3])
+    assert first == hashlib.sha256(struct.pack("<3i", 1, 2, 3)).digest()
+    second = block_hash(first, [70000, 5])
+    assert second == hashlib.sha256(first + struct.pack("<2i", 70000, 5)).digest()
+    assert block_hash(second, [1, 2, 3]) != first  # the parent is part of the key
+
+
+def test_prefix_cache_counts_each_prompt_once(ckpt: Path) -> None:
+    """A waiting request is matched again every step it cannot be admitted; /metrics' hit rate
+    counts each prompt once (preempted requests are not counted again either)."""
+    with LLM(str(ckpt), num_kv_blocks=12, max_model_len=128) as llm:
+        llm.generate(PROMPTS, GREEDY)
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_queries == sum(len(p) for p in PROMPTS)
+        llm.generate(PROMPTS[1:3], GREEDY)
+        again = llm.engine.get_stats()
+        assert again.prefix_cache_queries - stats.prefix_cache_queries == len(PROMPTS[1]) + len(
+            PROMPTS[2]
+        )
+        assert again.prefix_cache_hits - stats.prefix_cache_hits == 32 + 32  # the shared blocks
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_min_tokens_with_a_stop_string_keeps_text_equal_to_tokens(
+    ckpt: Path, include: bool
+) -> None:
+    """A stop string that appears before min_tokens is reached does not cut the text (it was
+    cut, and later text appended after the cut: text != decode(token_ids))."""
+    prompt = [7, 8, 9]
+    with LLM(str(ckpt)) as llm:
+        free = check_text_against_tokens(
+            llm, prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        )
+        text, tokens = free[0], free[2]
+        # A stop string that first shows within the first tokens' text.
+        early = llm.tokenizer.decode(tokens[:3], skip_special_tokens=True)
+        stop = early[-2:] if len(early) >= 2 else early
+        assert stop and stop in text
+        for min_tokens in (0, 6, 24):
+            params = SamplingParams(
+                temperature=0,
+                max_tokens=24,
+                ignore_eos=True,
+                min_tokens=min_tokens,
+                stop=[stop],
+                include_stop_str_in_output=include,
+            )
+            got, reason, ids = check_text_against_tokens(llm, prompt, params)
+            assert ids == tokens[: len(ids)]
+            assert len(ids) >= min_tokens and (reason == stop or len(ids) == 24)
+            assert (reason == stop) if min_tokens == 0 else True
+            assert (reason is None) if min_tokens == 24 else True

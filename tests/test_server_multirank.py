@@ -71,16 +71,20 @@ def test_multirank_server_equals_one_rank_then_a_killed_rank_is_fatal(model_dir,
         # The next step fails; health turns 503 and the server exits non-zero in bounded time.
         with pytest.raises(openai.APIError):
             client.completions.create(model=model_dir.name, prompt=PROMPTS[0], max_tokens=8)
+        # /health answers 503 (OpenAI error shape) in the window before the process exits.
         deadline = time.monotonic() + 60
-        saw_503 = False
+        dead_health = []
         while time.monotonic() < deadline and server.proc.poll() is None:
             try:
-                saw_503 |= httpx.get(server.url("/health"), timeout=2).status_code == 503
+                r = httpx.get(server.url("/health"), timeout=2)
+                if r.status_code == 503:
+                    dead_health.append(r.json())
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         assert server.proc.poll() is not None and server.proc.returncode != 0
-        assert saw_503 or server.proc.returncode != 0
+        assert dead_health, "/health never answered 503 before the server exited"
+        assert dead_health[0]["error"]["code"] == "engine_dead"
 
 
 @pytest.mark.timeout(180)

@@ -583,3 +583,128 @@ def test_int8_draft_quantization_needs_the_cpu_fast_path(models, monkeypatch) ->
     monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
     with pytest.raises(ValueError, match="needs the CPU decode fast path.*TANDEM_CPU_FAST_DECODE"):
         LLM(str(models["target"]), speculative_config=spec)
+
+
+def test_eagle3_capture_layers_are_refused_not_clamped() -> None:
+    from types import SimpleNamespace
+
+    from tandem.engine.worker import eagle3_capture_layers
+
+    def layers(given: list[int] | None, ckpt: list[int] | None = None, n: int = 4):
+        spec = SimpleNamespace(eagle3_layers_to_capture=given)
+        draft = SimpleNamespace(eagle_config={"eagle_aux_hidden_state_layer_ids": ckpt})
+        return eagle3_capture_layers(spec, draft, n)
+
+    assert layers([0, 2, 3]) == (0, 2, 3)
+    assert layers(None, [1, 2, 3]) == (1, 2, 3)
+    assert layers(None, None, 32) == (1, 15, 28)  # the default
+    for bad in ([1, 50, 99], [1, 3, 3], [0, 1], [-1, 1, 2]):
+        with pytest.raises(ValueError, match=r"3 distinct target layers in \[0, 4\)"):
+            layers(bad)
+    with pytest.raises(ValueError, match="draft checkpoint's eagle_config"):
+        layers(None, [1, 2, 7])
+
+
+SPEC_METHODS = ["eagle3", "mtp-eagle", "mtp-vanilla"]
+
+
+def _target(models: dict[str, Path], method: str) -> str:
+    return str(models["vanilla" if method == "mtp-vanilla" else "target"])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_generated_tokens_become_reusable_under_speculation(models, method: str, k: int) -> None:
+    """A follow-up made of a prompt and its answer hits as many cached tokens with speculation
+    as without: generated blocks are hashed after the KV rewind and the accepted tokens (they
+    were hashed while the draft rows still counted, on a shorter slice of tokens). A block is
+    keyed with the tokens its draft KV reads after it (one; vanilla MTP's K layers: K), so the
+    follow-up matches up to its last block with those in the prompt."""
+    prompt = list(range(40, 77))  # 37 tokens
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hits = {}
+    for spec in (None, _spec(models, method, k)):
+        with LLM(_target(models, method), speculative_config=spec) as llm:
+            (answer,) = _tokens(llm.generate([prompt], params))
+            follow_up = prompt + answer
+            (out,) = llm.generate([follow_up], SamplingParams(temperature=0, max_tokens=1))
+            hits[spec is None] = out.num_cached_tokens
+    follow = k if method == "mtp-vanilla" else 1
+    expected = min(hits[True], (len(follow_up) - follow) // 16 * 16)
+    assert hits[True] == (len(follow_up) - 1) // 16 * 16 == 64
+    assert hits[False] == expected
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_shared_prefix_drafts_equal_the_uncached_run(models, method: str) -> None:
+    """Two prompts share 32 tokens (two blocks) and then differ: the second reuses the first's
+    blocks, but not a block whose last slot's draft KV was computed from the first prompt's next
+    token. Every draft after every step equals the run without prefix caching."""
+    shared = list(range(40, 72))
+    prompts = [shared + [5, 6, 7, 8], shared + [100, 101, 102]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for caching in (False, True):
+        with LLM(
+            _target(models, method),
+            speculative_config=_spec(models, method, 3),
+            enable_prefix_caching=caching,
+        ) as llm:
+            first = _step_through(llm, prompts[:1], params)
+            second = _step_through(llm, prompts[1:], params)
+            runs.append((first, second, llm.engine.get_stats().prefix_cache_hits))
+    assert runs[1][:2] == runs[0][:2]
+    assert _all_drafts(runs[0][1][1])
+    assert runs[1][2] == 16  # the first block matched; the second's draft KV is the first's
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+def test_min_tokens_with_a_stop_string_under_speculation(models, method: str) -> None:
+    """Several tokens arrive per step: the text still equals the decoded tokens, cut only at a
+    stop string found once min_tokens is reached."""
+    from text_checks import check_text_against_tokens
+
+    prompt = [5, 6, 7]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(models["target"]), speculative_config=_spec(models, method, 3)) as llm:
+        text, _, tokens = check_text_against_tokens(llm, prompt, free)
+        early = llm.tokenizer.decode(tokens[:3], skip_special_tokens=True)
+        stop = early[-2:]
+        assert stop and stop in text
+        for min_tokens in (0, 7, 24):
+            params = SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True, min_tokens=min_tokens, stop=[stop]
+            )
+            _, reason, ids = check_text_against_tokens(llm, prompt, params)
+            assert ids == tokens[: len(ids)] and len(ids) >= min_tokens
+            assert reason == stop or len(ids) == 24
+            assert (reason == stop) if min_tokens == 0 else True
+            assert (reason is None) if min_tokens == 24 else True
+
+
+def test_start_up_kv_check_counts_the_draft_look_ahead(models) -> None:
+    """A KV budget of exactly max_model_len's blocks started, then refused long requests with a
+    400 about max_tokens: a request also holds the draft loop's 2K look-ahead slots. Start-up
+    now refuses it and says how much memory to add; with that added, a max_model_len request
+    runs."""
+    import re
+
+    def start(budget: int) -> LLM:
+        return LLM(
+            str(models["target"]),
+            speculative_config=_spec(models, "eagle3", 3),
+            max_model_len=64,  # 4 blocks of 16; with 6 look-ahead slots a request holds 5
+            kv_cache_memory_bytes=budget,
+        )
+
+    def missing(budget: int) -> int:
+        with pytest.raises(ValueError, match="max_model_len=64 needs 5") as e:
+            start(budget)
+        return int(re.search(r"add (\d+) bytes", str(e.value))[1])
+
+    per_block = missing(1) // 5
+    assert missing(4 * per_block) == per_block  # max_model_len's own blocks are not enough
+    with start(5 * per_block) as llm:
+        params = SamplingParams(temperature=0, max_tokens=61, ignore_eos=True)
+        (out,) = llm.generate([[5, 6, 7]], params)
+        assert len(out.outputs[0].token_ids) == 61

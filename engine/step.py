@@ -1,0 +1,167 @@
+"""What one engine step is made of, shared by the engine, the ranks, the model runner and the
+captured graphs: the picklable step description (``StepInput`` of ``RequestStep``s; one per rank
+under attention DP), its result (``StepOutput``), the tensors a prepared step holds
+(``PreparedInputs``) and what the runner needs of captured graphs (``StepGraphs``, ``StepReplay``).
+``graph_runner`` drives ``model_runner``; neither imports the other for these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tandem.engine.cuda_graph import GraphKey
+from tandem.engine.request import TokenLogprobs
+from tandem.engine.sampler import SamplingTensors
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.speculative.decoder import VerifyLayout
+from tandem.engine.speculative.interface import SpecMetadata
+from tandem.models.attention import AttentionMetadata
+
+
+@dataclass
+class RequestStep:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens fed this step (their KV gets written); drafts come last
+    start: int  # position of token_ids[0]
+    block_ids: list[int]
+    sample: bool  # the step reaches the end of the request's tokens: its last rows are sampled
+    params: SamplingParams | None = None  # set when sample
+    prompt_token_ids: list[int] = field(default_factory=list)  # only when penalties are used
+    output_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0  # the last num_drafts entries of token_ids are drafts to verify
+    next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt
+    # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
+    future_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepInput:
+    requests: list[RequestStep]
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Speculation: False when the step is too large to speculate for (``disable_by_batch_size``):
+    # it verifies the drafts it carries and proposes none (the draft layers still write KV).
+    propose_drafts: bool = True
+
+
+@dataclass
+class StepOutput:
+    request_ids: list[str]  # the sampled requests, in step order
+    token_ids: list[list[int]]  # emitted tokens per request (1 without speculation)
+    logprobs: list[list[TokenLogprobs] | None]
+    num_drafts: list[int] = field(default_factory=list)  # drafts verified per request
+    draft_token_ids: list[list[int]] = field(default_factory=list)  # proposals for next step
+    # Attention DP: per rank (rank order once merged), whether the draft loop sampled
+    # (advanced) and the step's graph key (None: eager).
+    rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
+
+
+@dataclass
+class DPStepInput:
+    """Attention DP: every rank's ``StepInput`` (index = rank). Every rank receives all of them,
+    so the per-rank row counts the MLP collectives need are host data known everywhere."""
+
+    steps: list[StepInput]
+
+
+# Dummy greedy generation requests on reserved KV blocks keep an idle rank (or one without a
+# sampled request) in step with the others' collectives, and pad batches to a graph bucket.
+# Never reported, never counted in statistics.
+ADP_DUMMY_REQUEST_ID = "__adp_dummy__"
+DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def num_dummy_blocks(block_size: int, num_spec_tokens: int) -> int:
+    """KV blocks reserved for the dummy request: its token plus the draft loop's lookahead."""
+    return -(-(2 * num_spec_tokens + 2) // block_size)
+
+
+def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]:
+    """When any rank has work, every rank without a sampled request gets ``dummy``, so every rank
+    runs the target forward, the verify and the whole draft loop (same collectives)."""
+    if not any(s.requests for s in steps):
+        return steps
+    return [
+        s
+        if any(r.sample for r in s.requests)
+        else StepInput([*s.requests, dummy], s.finished_request_ids, s.propose_drafts)
+        for s in steps
+    ]
+
+
+def is_dummy(request_id: str) -> bool:
+    return request_id.startswith(ADP_DUMMY_REQUEST_ID)
+
+
+def drop_dummy(out: StepOutput) -> StepOutput:
+    keep = [i for i, rid in enumerate(out.request_ids) if not is_dummy(rid)]
+    if len(keep) == len(out.request_ids):
+        return out
+    return StepOutput(
+        [out.request_ids[i] for i in keep],
+        [out.token_ids[i] for i in keep],
+        [out.logprobs[i] for i in keep],
+        [out.num_drafts[i] for i in keep] if out.num_drafts else [],
+        [out.draft_token_ids[i] for i in keep] if out.draft_token_ids else [],
+        out.rank_paths,
+    )
+
+
+def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Every rank's output, in rank order (attention DP)."""
+    merged = StepOutput([], [], [])
+    for o in outputs:
+        merged.request_ids += o.request_ids
+        merged.token_ids += o.token_ids
+        merged.logprobs += o.logprobs
+        merged.num_drafts += o.num_drafts
+        merged.draft_token_ids += o.draft_token_ids
+        merged.rank_paths += o.rank_paths
+    return merged
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last row of each sampled request
+    sampled: list[RequestStep]
+    layout: VerifyLayout | None = None
+    next_tokens: torch.Tensor | None = None
+    future: torch.Tensor | None = None  # [S, K + 1] tokens after each request's last row
+    row_req: torch.Tensor | None = None  # [T] request index of each row
+    row_last: torch.Tensor | None = None  # [T] last row of the row's request
+
+
+class StepReplay(Protocol):
+    """One step's captured graphs: stand-ins for the target forward and for the draft loop
+    (``SpecDecoder.propose``'s signature and results)."""
+
+    def forward(self) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+
+    def propose(
+        self,
+        inp: PreparedInputs,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        layout: VerifyLayout,
+        num_accepted: torch.Tensor,
+        tokens: torch.Tensor,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+    ) -> torch.Tensor: ...
+
+
+class StepGraphs(Protocol):
+    """The captured graphs of every key (``graph_runner.GraphRunner``)."""
+
+    def bind(self, key: GraphKey, inp: PreparedInputs) -> StepReplay | None: ...
