@@ -180,12 +180,6 @@ def test_prefix_cache_counts_each_prompt_once(ckpt: Path) -> None:
         stats = llm.engine.get_stats()
         assert stats.num_preemptions > 0
         assert stats.prefix_cache_queries == sum(len(p) for p in PROMPTS)
-        llm.generate(PROMPTS[1:3], GREEDY)
-        again = llm.engine.get_stats()
-        assert again.prefix_cache_queries - stats.prefix_cache_queries == len(PROMPTS[1]) + len(
-            PROMPTS[2]
-        )
-        assert again.prefix_cache_hits - stats.prefix_cache_hits == 32 + 32  # the shared blocks
 
 
 @pytest.mark.parametrize("include", [False, True])
