@@ -15,7 +15,7 @@ import pytest
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_head_with_vocab
 from tandem import LLM, SamplingParams
-from tandem.engine.model_runner import (
+from tandem.engine.step import (
     ADP_DUMMY_REQUEST_ID,
     RequestStep,
     StepInput,

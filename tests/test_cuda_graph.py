@@ -45,8 +45,8 @@ from tandem.engine.cuda_graph import (
     sampling_variant,
     step_can_graph,
 )
-from tandem.engine.model_runner import RequestStep
 from tandem.engine.presets import validate_preset
+from tandem.engine.step import RequestStep
 from tandem.models.parallel import ParallelMapping
 from tandem.server import cli
 
