@@ -28,8 +28,19 @@ if [[ -z "${PY:-}" ]]; then # the first Python whose torch sees CUDA
         fi
     done
 fi
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
+# Without an installed tandem (a GPU image's own Python, no `make setup`), import this checkout
+# as `tandem` through a folder of links that mirrors the wheel's layout (benchmarks -> bench).
+if ! "$PY" -c 'import tandem' 2>/dev/null; then
+    alias_root=$(mktemp -d -t tandem-import.XXXXXX)
+    mkdir -p "$alias_root/tandem"
+    for entry in __init__.py configs engine kernels models server; do
+        ln -sfn "$PWD/$entry" "$alias_root/tandem/$entry"
+    done
+    ln -sfn "$PWD/benchmarks" "$alias_root/tandem/bench"
+    export PYTHONPATH="$alias_root${PYTHONPATH:+:$PYTHONPATH}"
+    echo "tandem is not installed for $PY: importing this checkout through $alias_root"
+fi
 unset TRITON_INTERPRET # real compilation, not the interpreter
 
 echo "== pre-flight ($PY)"
