@@ -74,8 +74,9 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
     """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4) clamped
     into [0, L) (our default, so a very shallow target still gets three). Configured or
-    checkpoint layers are used as given: outside [0, L), repeated, or not three is a
-    ``ValueError`` that names the valid range."""
+    checkpoint layers are used as given: outside [0, L) or not three is a ``ValueError`` that
+    names the valid range. A layer may repeat: a head trained on a shallow target carries what
+    the clamped default gave it, e.g. [1, 1, 0] for 4 layers."""
     layers = getattr(spec, "eagle3_layers_to_capture", None)
     source = "speculative_config.eagle3_layers_to_capture"
     if layers is None:
@@ -86,9 +87,9 @@ def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -
         default = (1, num_layers // 2 - 1, num_layers - 4)
         return tuple(max(0, min(i, num_layers - 1)) for i in default)
     layers = tuple(int(i) for i in layers)
-    if len(layers) != 3 or len(set(layers)) != 3 or not all(0 <= i < num_layers for i in layers):
+    if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
         raise ValueError(
-            f"{source}={list(layers)}: an Eagle3 head reads 3 distinct target layers in "
+            f"{source}={list(layers)}: an Eagle3 head reads 3 target layers in "
             f"[0, {num_layers}) (the target has {num_layers} layers)"
         )
     return layers

@@ -64,6 +64,20 @@ def _experts_case(
     }
 
 
+def _assert_matches_float32_truth(got: torch.Tensor, c: dict[str, torch.Tensor], first: int) -> None:
+    """``got`` against the reference run in float32 on the same (possibly bf16) inputs. float32
+    must agree to rounding; bf16 within its output rounding (the kernel accumulates in float32,
+    so it may not be worse than the bf16 PyTorch reference, which rounds every intermediate)."""
+    up = {n: v.float() if v.is_floating_point() else v for n, v in c.items()}
+    truth = moe_experts_reference(**up, first_expert=first)
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, truth, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), truth, atol=2e-2, rtol=2**-7)
+    ref = moe_experts_reference(**c, first_expert=first).float()
+    assert (got.float() - truth).abs().max() <= (ref - truth).abs().max() + 1e-3
+
+
 def _plain_loop(c: dict[str, torch.Tensor], first_expert: int) -> torch.Tensor:
     x, w13, w2 = c["x"].float(), c["w13"].float(), c["w2"].float()
     inter = w13.shape[1] // 2
@@ -129,12 +143,10 @@ def test_triton_experts_match_reference(
     t: int, h: int, i: int, e: int, num_local: int, k: int, dtype: torch.dtype
 ) -> None:
     c = _experts_case(t, h, i, e, k, num_local, seed=t + i, dtype=dtype)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     for first in range(0, e, num_local):
-        ref = moe_experts_reference(**c, first_expert=first)
         got = moe_experts(**c, first_expert=first, use_triton=True)
         assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), ref.float(), **tol)
+        _assert_matches_float32_truth(got, c, first)
 
 
 @pytest.mark.skipif(INTERPRETER or not HAS_TRITON, reason="Triton tests ran in this process")
@@ -157,8 +169,5 @@ def test_triton_cuda_matches_reference() -> None:
     torch.testing.assert_close(got_w, ref_w)
     c = _experts_case(300, 256, 128, 64, 8, 32, seed=0, dtype=torch.bfloat16)
     c = {n: v.cuda() for n, v in c.items()}
-    for first in (0, 32):
-        ref = moe_experts_reference(**c, first_expert=first).float()
-        torch.testing.assert_close(
-            moe_experts(**c, first_expert=first).float(), ref, atol=2e-2, rtol=2e-2
-        )
+    for first in (0, 32):  # the bf16 reference differs by up to 0.5 here (output rounding)
+        _assert_matches_float32_truth(moe_experts(**c, first_expert=first), c, first)

@@ -598,8 +598,10 @@ def test_eagle3_capture_layers_are_refused_not_clamped() -> None:
     assert layers([0, 2, 3]) == (0, 2, 3)
     assert layers(None, [1, 2, 3]) == (1, 2, 3)
     assert layers(None, None, 32) == (1, 15, 28)  # the default
-    for bad in ([1, 50, 99], [1, 3, 3], [0, 1], [-1, 1, 2]):
-        with pytest.raises(ValueError, match=r"3 distinct target layers in \[0, 4\)"):
+    assert layers(None, None, 4) == (1, 1, 0)  # clamped into a shallow target
+    assert layers(None, [1, 1, 0]) == (1, 1, 0)  # what a head trained on that target carries
+    for bad in ([1, 50, 99], [1, 3, 4], [0, 1], [-1, 1, 2], [0, 1, 2, 3]):
+        with pytest.raises(ValueError, match=r"3 target layers in \[0, 4\)"):
             layers(bad)
     with pytest.raises(ValueError, match="draft checkpoint's eagle_config"):
         layers(None, [1, 2, 7])
