@@ -64,7 +64,9 @@ def _experts_case(
     }
 
 
-def _assert_matches_float32_truth(got: torch.Tensor, c: dict[str, torch.Tensor], first: int) -> None:
+def _assert_matches_float32_truth(
+    got: torch.Tensor, c: dict[str, torch.Tensor], first: int
+) -> None:
     """``got`` against the reference run in float32 on the same (possibly bf16) inputs. float32
     must agree to rounding; bf16 within its output rounding (the kernel accumulates in float32,
     so it may not be worse than the bf16 PyTorch reference, which rounds every intermediate)."""
