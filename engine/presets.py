@@ -4,12 +4,15 @@
 folder (``--config cpu`` or ``--config cpu.yaml``). A nested ``speculative_config:`` mapping holds
 ``SpeculativeConfig`` fields. Unknown keys and
 wrong types are ``ValueError``s that name the key and the type it wants; the frozen configs'
-own validators run too, so a preset is checked without the model folder or its weights.
+own validators run too, so a preset is checked without the model folder or its weights. Types
+are checked by pydantic (strict, on the values as JSON); the messages are ours.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import types
 from collections.abc import Mapping
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from tandem.engine.config import (
     CacheConfig,
@@ -127,60 +131,25 @@ def _check_fields(values: Any, cls: type, prefix: str, known: set[str]) -> dict[
     return {k: _check_type(prefix + k, v, hints[k]) for k, v in values.items()}
 
 
+@functools.cache
+def _adapter(hint: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(hint)
+
+
 def _check_type(key: str, value: Any, hint: Any) -> Any:
-    """``value`` as ``hint`` wants it (list -> tuple, int -> float), else a ``ValueError``."""
-    if _matches(value, hint):
-        return _convert(value, hint)
+    """``value`` as ``hint`` wants it, else a ``ValueError``. pydantic validates it in strict
+    mode as JSON, which is what YAML can say: a list fills a tuple and an int a float, and
+    nothing is coerced (no '64' for 64, no true for 1, no 1.5 for an int)."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):  # not JSON data, e.g. a YAML date
+        text = None
+    if text is not None:
+        try:
+            return _adapter(hint).validate_json(text, strict=True)
+        except ValidationError:
+            pass
     raise ValueError(f"{key}: expected {_describe_type(hint)}, got {_describe_value(value)}")
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin = get_origin(hint)
-    if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_matches(value, a) for a in get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:  # YAML true/false are bools, which Python also counts as ints
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin is tuple:
-        args = get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: a YAML list
-            return all(_matches(v, args[0]) for v in value)
-        return len(args) == len(value) and all(
-            _matches(v, a) for v, a in zip(value, args, strict=True)
-        )
-    if origin is dict:
-        key_t, val_t = get_args(hint) or (Any, Any)
-        return isinstance(value, Mapping) and all(
-            _matches(k, key_t) and _matches(v, val_t) for k, v in value.items()
-        )
-    raise TypeError(f"presets cannot check fields of type {hint!r}")  # a new field type: add it
-
-
-def _convert(value: Any, hint: Any) -> Any:
-    if value is None:
-        return None
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        hint = next(a for a in get_args(hint) if a is not type(None) and _matches(value, a))
-        origin = get_origin(hint)
-    if hint is float:
-        return float(value)
-    if origin is tuple:
-        return tuple(value)
-    if origin is dict:
-        return dict(value)
-    return value
 
 
 def _describe_type(hint: Any) -> str:
