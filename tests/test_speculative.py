@@ -13,7 +13,9 @@ from checkpoints import (
     add_mtp_layers,
     build_eagle3_draft,
     build_llama,
+    make_echo_target,
     mtp_head_with_vocab,
+    perfect_eagle3_draft,
     zero_residual_writes,
 )
 from tandem import LLM, SamplingParams
@@ -583,6 +585,35 @@ def test_int8_draft_quantization_needs_the_cpu_fast_path(models, monkeypatch) ->
     monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
     with pytest.raises(ValueError, match="needs the CPU decode fast path.*TANDEM_CPU_FAST_DECODE"):
         LLM(str(models["target"]), speculative_config=spec)
+
+
+@pytest.mark.parametrize("row_pick", [True, False], ids=["row-pick", "no-row-pick"])
+def test_perfect_eagle3_draft_is_always_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row_pick: bool
+) -> None:
+    """A head that drafts exactly what the target generates (an echo target and a head built to
+    match it): every draft is accepted, K + 1 tokens per step. A head misloaded anywhere on the
+    draft side (fc, the captured layers, its LM head, the draft loop) still passes the greedy
+    equality tests, but not this."""
+    from tandem.engine.speculative.interface import DISABLE_ROW_PICK_ENV
+
+    monkeypatch.setenv(DISABLE_ROW_PICK_ENV, "0" if row_pick else "1")
+    target = build_llama(tmp_path / "echo", layers=4, seed=5)
+    make_echo_target(target)
+    head = perfect_eagle3_draft(tmp_path / "head", target)
+    k = 3
+    prompts = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
+    params = SamplingParams(temperature=0, max_tokens=1 + 4 * (k + 1), ignore_eos=True)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.get_stats()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == [prompt[-1]] * params.max_tokens  # the echo
+    assert stats.spec_num_drafts == 4 * len(prompts), stats  # four steps of K + 1 each
+    assert stats.spec_num_draft_tokens == k * stats.spec_num_drafts
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert stats.spec_accepted_per_pos == [stats.spec_num_drafts] * k
 
 
 def test_eagle3_capture_layers_are_refused_not_clamped() -> None:
