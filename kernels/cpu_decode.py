@@ -7,7 +7,10 @@ the machine's C++ compiler at first use (about a minute) into PyTorch's extensio
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards. It is built for AVX-512 (F, BW; with BF16's dot product where the CPU has it), else
 for AVX2 + FMA. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with none of these, or a failed
-build, falls back to the eager path with a warning.
+build, falls back to the eager path with a warning. ``TANDEM_CPU_DECODE_ISA=avx2`` (or ``avx512``)
+builds a lower branch than the best one the CPU has, so one machine can test every branch it can
+run; naming one the CPU lacks, or no branch at all, disables the fast path with a warning that
+says so.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 ENV_VAR = "TANDEM_CPU_FAST_DECODE"
+ISA_ENV_VAR = "TANDEM_CPU_DECODE_ISA"  # build this branch, not the best one (tests, diagnosis)
 MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 vs 197 (fp32)
 # On a 2-core Zen 3 EPYC (AVX2), built-in model prefill, fast vs eager: fp32 40 rows 121 vs
 # 213-249 ms, 60 rows 101-108 vs 218-319 (best of 3, two runs); bf16 60 rows 119 vs 675.
@@ -37,6 +41,9 @@ ISA_FLAGS = {
     "avx512": ("avx512f", "avx512bw"),
     "avx2": ("avx2", "fma"),
 }
+# What each branch turns off from -march=native on a CPU that has more (the source picks its
+# branch from the compiler's __AVX512F__ / __AVX512BF16__ macros).
+ISA_CFLAGS = {"avx512_bf16": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"]}
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
@@ -60,16 +67,32 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def isa() -> str | None:
-    """The instruction set the extension builds for on this CPU (None: none of ``ISA_FLAGS``)."""
+def runnable_isas() -> list[str]:
+    """Every branch this CPU can run, best first."""
     flags = cpu_flags()
-    return next((name for name, need in ISA_FLAGS.items() if flags.issuperset(need)), None)
+    return [name for name, need in ISA_FLAGS.items() if flags.issuperset(need)]
+
+
+def isa() -> str | None:
+    """The instruction set the extension builds for on this CPU: ``TANDEM_CPU_DECODE_ISA`` if set
+    and runnable, else the best of ``ISA_FLAGS`` the CPU has (None: none, or a bad override)."""
+    wanted = os.environ.get(ISA_ENV_VAR, "").strip()
+    runnable = runnable_isas()
+    if wanted:
+        return wanted if wanted in runnable else None
+    return runnable[0] if runnable else None
 
 
 def unavailable_reason() -> str | None:
     """Why the fast path cannot run on this machine (None: it can, once built)."""
     if not enabled_by_env():
         return f"{ENV_VAR}=0"
+    wanted = os.environ.get(ISA_ENV_VAR, "").strip()
+    if wanted and isa() is None:
+        return (
+            f"{ISA_ENV_VAR}={wanted!r} is not a branch this CPU can run "
+            f"(it can run: {', '.join(runnable_isas()) or 'none'}; branches: {', '.join(ISA_FLAGS)})"
+        )
     if isa() is None:
         wanted = "; ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
         return f"the CPU has none of {wanted}"
@@ -87,19 +110,23 @@ def load_extension() -> Any | None:
             return None
         # The source, torch and instruction set name the module: an edited source, or a cache
         # shared with a machine of another kind, never loads a stale build.
-        key = SOURCE.read_bytes() + f"{torch.__version__} {isa()}".encode()
+        branch = isa()
+        key = SOURCE.read_bytes() + f"{torch.__version__} {branch}".encode()
         digest = hashlib.sha256(key).hexdigest()
         name = f"tandem_cpu_decode_{digest[:16]}"
         try:
             from torch.utils.cpp_extension import load
 
             logger.info(
-                "loading the CPU decode fast path for %s (the first start builds it: ~1 min)", isa()
+                "loading the CPU decode fast path for %s (the first start builds it: ~1 min)",
+                branch,
             )
+            # TANDEM_EXPECT_ISA: the source's static_assert that the flags picked this branch.
+            expect = f'-DTANDEM_EXPECT_ISA=\\"{branch}\\"'
             _ext = load(
                 name=name,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", *ISA_CFLAGS[branch], expect, "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

@@ -5,8 +5,11 @@ transformers', and whatever it cannot run falls back to the eager path."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -424,6 +427,7 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     for flags, want in cases:
         with monkeypatch.context() as m:
             m.setattr(cpu_decode, "cpu_flags", lambda flags=flags: flags)
+            m.delenv(cpu_decode.ISA_ENV_VAR, raising=False)  # the best branch, not a chosen one
             assert cpu_decode.isa() == want
             reason = cpu_decode.unavailable_reason()
             if want is None:
@@ -432,6 +436,54 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
                 assert reason is None
     ext = cpu_decode.load_extension()
     assert ext is not None and ext.isa() == cpu_decode.isa()
+
+
+def test_a_branch_the_cpu_cannot_run_is_refused_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv(cpu_decode.ISA_ENV_VAR, "avx2")
+    assert cpu_decode.isa() == "avx2" and cpu_decode.unavailable_reason() is None
+    for bad in ("avx512", "sse4"):
+        monkeypatch.setenv(cpu_decode.ISA_ENV_VAR, bad)
+        assert cpu_decode.isa() is None
+        reason = cpu_decode.unavailable_reason()
+        assert reason is not None and bad in reason and "it can run: avx2" in reason
+
+
+# What each lower branch runs again, in a process that builds it: every kernel against its
+# eager reference (linear, int8, argmax, exp, the decoder stack and Eagle3 layer steps, long
+# contexts) and that the extension reports the branch it was built for.
+BRANCH_CHECKS = (
+    "build_targets or linear_matches or int8_linear or argmax or vector_exp "
+    "or speculative_steps_equal_eager or long_contexts"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("branch", list(cpu_decode.ISA_FLAGS))
+def test_every_branch_this_cpu_can_run_equals_eager(branch: str) -> None:
+    """This process runs the best branch the CPU has; an AVX-512 machine can also run the AVX2
+    build (and one with BF16's dot product the plain AVX-512 build): build each and run the
+    fast path's checks on it (about a minute to build each)."""
+    if os.environ.get(cpu_decode.ISA_ENV_VAR):
+        pytest.skip(f"this process runs {cpu_decode.ISA_ENV_VAR}={cpu_decode.isa()}")
+    if branch not in cpu_decode.runnable_isas():
+        pytest.skip(f"this CPU cannot run {branch}")
+    if branch == cpu_decode.isa():
+        pytest.skip(f"{branch} is this process's branch: the tests above ran it")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", BRANCH_CHECKS,
+         __file__],
+        env={**os.environ, cpu_decode.ISA_ENV_VAR: branch},
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) == 12, proc.stdout[-2000:]
 
 
 # A -march for each branch of cpu_decode.cpp (the one this machine builds runs in the tests).
