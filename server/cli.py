@@ -196,11 +196,13 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
                 '--speculative-config must be a JSON object, e.g. \'{"method": "mtp"}\''
             )
     names = ns.served_model_name or []
-    model = ns.model
+    model, dtype = ns.model, ns.dtype
     if model is None:  # the built-in SmolLM2-135M-Instruct, converted once into the cache
-        from tandem.models.builtin import builtin_model_path
+        from tandem.models.builtin import builtin_default_dtype, builtin_model_path
 
         model = builtin_model_path()
+        if dtype == "auto":  # the folder is float32; serve in what runs fastest here
+            dtype = builtin_default_dtype(ns.device)
         if not spec_off:  # the shipped Eagle3 head by default; a shipped method gets its head
             from tandem.models.heads import builtin_speculative_config
 
@@ -208,7 +210,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     return EngineArgs(
         model=model,
         tokenizer=ns.tokenizer,
-        dtype=ns.dtype,
+        dtype=dtype,
         device=ns.device,
         seed=ns.seed,
         max_model_len=ns.max_model_len,

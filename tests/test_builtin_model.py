@@ -207,7 +207,7 @@ def test_serve_without_model_speculates_and_answers_paris(folder: Path) -> None:
 
     from tests.server_utils import RemoteServer, metric, scrape_metrics
 
-    args = ["--dtype", "float32", "--max-num-seqs", "2", "--kv-cache-memory", "64MiB"]
+    args = ["--max-num-seqs", "2", "--kv-cache-memory", "64MiB"]  # the default dtype
     with RemoteServer(None, args) as server:  # $TANDEM_CACHE (the fixture) finds `folder`
         client = OpenAI(base_url=server.url("/v1"), api_key="none")
         [served] = [m.id for m in client.models.list().data]
@@ -310,10 +310,22 @@ def test_cache_dir_honours_tandem_cache(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert builtin.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "tandem"
 
 
-def test_serve_without_model_uses_the_builtin_model(folder: Path) -> None:
+def test_serve_without_model_uses_the_builtin_model(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.kernels import cpu_decode
     from tandem.server.cli import build_parser, engine_args_from
 
     args = engine_args_from(build_parser().parse_args(["serve"]))
     assert args.model == str(folder)
+    # bf16 where the CPU decode fast path runs (the folder is float32), --dtype honoured.
+    fast = cpu_decode.unavailable_reason() is None
+    assert args.dtype == ("bfloat16" if fast else "float32")
+    for given in ("float32", "bfloat16", "auto"):
+        assert engine_args_from(build_parser().parse_args(["serve", "--dtype", given])).dtype == (
+            builtin.builtin_default_dtype() if given == "auto" else given
+        )
+    monkeypatch.setenv(cpu_decode.ENV_VAR, "0")  # no fast path: fp32 products are faster
+    assert engine_args_from(build_parser().parse_args(["serve"])).dtype == "float32"
     explicit = engine_args_from(build_parser().parse_args(["serve", "/some/folder"]))
     assert explicit.model == "/some/folder"
