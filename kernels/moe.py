@@ -297,7 +297,10 @@ def moe_align_blocks(
     dev = ids.device
     local = ids.reshape(-1) - first_expert
     key = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: not ours
-    counts = torch.bincount(key, minlength=num_local + 1)[:num_local]
+    # Not torch.bincount: on CUDA it reads the largest key back to the host (a sync, and an
+    # error inside CUDA-graph capture); a scatter-add has a fixed output size.
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_local]
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
     order = torch.sort(key, stable=True)[1]
@@ -333,17 +336,21 @@ def _moe_experts_triton(
     out_pairs = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
     pair_w = weights.reshape(-1).float().contiguous()
     block_n, block_k = (64, 32) if x.is_cuda else (16, 16)
+    # Eight warps, and half-width tiles for the gated GEMM (two accumulators): otherwise both
+    # GEMMs spill on sm_80 and sm_90 (python -m tandem.kernels.aot).
+    options = {"num_warps": 8} if x.is_cuda else {}
+    gate_n = block_n // 2 if x.is_cuda else block_n
     num_blocks = block_expert.shape[0]
     _launch(
-        _moe_gemm_kernel, (num_blocks, triton.cdiv(inter, block_n)), x.device,
+        _moe_gemm_kernel, (num_blocks, triton.cdiv(inter, gate_n)), x.device,
         x, w13, act, sorted_pairs, block_expert, pair_w, num_pairs, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
-        top_k, True, False, True, block_m, block_n, block_k,
+        top_k, True, False, True, block_m, gate_n, block_k, **options,
     )  # fmt: skip
     _launch(
         _moe_gemm_kernel, (num_blocks, triton.cdiv(hidden, block_n)), x.device,
         act, w2, out_pairs, sorted_pairs, block_expert, pair_w, num_pairs, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0), 0,
-        top_k, False, True, False, block_m, block_n, block_k,
+        top_k, False, True, False, block_m, block_n, block_k, **options,
     )  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

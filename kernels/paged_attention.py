@@ -367,14 +367,17 @@ def triton_interpreter_enabled() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
-def _launch(kernel: object, grid: tuple[int, ...], device: torch.device, *args: object) -> None:
-    """Launch on CUDA, or in the Triton interpreter for CPU tensors."""
+def _launch(
+    kernel: object, grid: tuple[int, ...], device: torch.device, *args: object, **options: int
+) -> None:
+    """Launch on CUDA, or in the Triton interpreter for CPU tensors. ``options``: num_warps,
+    num_stages (Triton's defaults otherwise); ``tandem.kernels.aot`` records what is passed."""
     if device.type != "cuda" and not triton_interpreter_enabled():
         raise RuntimeError(
             "Triton kernels run on CPU only in the Triton interpreter: set TRITON_INTERPRET=1 "
             "before triton is first imported (or use use_triton=False)"
         )
-    kernel[grid](*args)  # type: ignore[index]
+    kernel[grid](*args, **options)  # type: ignore[index]
 
 
 def _next_pow2(x: int) -> int:
@@ -419,13 +422,18 @@ if HAS_TRITON:
         stride_bt: tl.tensor,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+        BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
+        DOT_FP32: tl.constexpr,
     ) -> None:  # fmt: skip
-        # Program = (sequence, kv head, block of BLOCK_Q query tokens). Its BLOCK_M rows pack
-        # BLOCK_Q tokens x GROUP query heads that share the kv head (GQA), so decode rows fill
-        # the tl.dot tile. Online softmax (flash attention) over KV tiles of BLOCK_N positions.
+        # Program = (sequence, kv head x value chunk, block of BLOCK_Q query tokens). Its BLOCK_M
+        # rows pack BLOCK_Q tokens x GROUP query heads that share the kv head (GQA), so decode
+        # rows fill the tl.dot tile. Online softmax (flash attention) over KV tiles of BLOCK_N
+        # positions. Scores sum over HEAD_DIM in chunks of BLOCK_DK; the program writes output
+        # columns [c * BLOCK_DV, (c + 1) * BLOCK_DV) of its value chunk c. Wide heads (MLA's
+        # latent 512 + rope 64) thus never hold a whole row in registers or shared memory.
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // NUM_DV
+        dv0 = (tl.program_id(1) % NUM_DV) * BLOCK_DV
         q_block = tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -436,14 +444,16 @@ if HAS_TRITON:
         head = kv_head * GROUP + r % GROUP
         row_valid = (r < BLOCK_Q * GROUP) & (q_idx < q_len)
         q_pos = ctx_len + q_idx  # causal limit of each row
-        d = tl.arange(0, BLOCK_D)
-        d_valid = d < HEAD_DIM
         tok = (q_start + q_idx).to(tl.int64)
-        q_mask = row_valid[:, None] & d_valid[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=q_mask, other=0.0)  # fmt: skip
-        if DOT_FP32:
-            q = q.to(tl.float32)
+        q_rows = q_ptr + tok * stride_qt + head * stride_qh  # [BLOCK_M] row starts
+        dk = tl.arange(0, BLOCK_DK)
+        if HEAD_DIM <= BLOCK_DK:  # one chunk: load the queries once
+            q_one = tl.load(q_rows[:, None] + dk[None, :],
+                            mask=row_valid[:, None] & (dk < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+            if DOT_FP32:
+                q_one = q_one.to(tl.float32)
+        dv = dv0 + tl.arange(0, BLOCK_DV)
+        dv_valid = dv < HEAD_DIM
 
         # Last KV position any valid row of this block sees, + 1 (0 for an empty block).
         last_q = tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
@@ -451,20 +461,30 @@ if HAS_TRITON:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for start in range(0, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_valid = n < kv_end
             blk = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE,
                           mask=n_valid, other=0).to(tl.int64)  # fmt: skip
             off = n % BLOCK_SIZE
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks
-                        + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
-            if DOT_FP32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            k_rows = k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, HEAD_DIM, BLOCK_DK):
+                d = d0 + dk
+                d_valid = d < HEAD_DIM
+                if HEAD_DIM <= BLOCK_DK:
+                    q = q_one
+                else:
+                    q = tl.load(q_rows[:, None] + d[None, :],
+                                mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # fmt: skip
+                k = tl.load(k_rows[:, None] + d[None, :],
+                            mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # fmt: skip
+                if DOT_FP32:
+                    s += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                                input_precision="ieee")  # fmt: skip
+                else:
+                    s += tl.dot(q, tl.trans(k))
             s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
             visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -474,8 +494,9 @@ if HAS_TRITON:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
-                        + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+            v_rows = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
+            v = tl.load(v_rows[:, None] + dv[None, :],
+                        mask=n_valid[:, None] & dv_valid[None, :], other=0.0)  # fmt: skip
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -483,8 +504,9 @@ if HAS_TRITON:
             m_i = m_new
 
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & dv_valid[None, :])  # fmt: skip
 
 
 def _write_kv_cache_triton(
@@ -526,15 +548,14 @@ def _paged_attention_triton(
     block_tables = block_tables.to(torch.int32)
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    # The interpreter is slow per element: small tiles there, tensor-core sized ones on GPU.
-    target_rows, block_n = (64, 64) if q.is_cuda else (16, 16)
-    block_q = max(1, min(target_rows // group, max_query_len))
-    block_m = max(16, _next_pow2(block_q * group))
-    block_d = max(16, _next_pow2(head_dim))
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    plan = attention_tiles(group, head_dim, max_query_len, q.dtype, q.is_cuda)
+    block_q, block_m, block_n, block_dk, block_dv, num_warps = plan
+    num_dv = triton.cdiv(head_dim, block_dv)
+    grid = (num_seqs, num_kv_heads * num_dv, triton.cdiv(max_query_len, block_q))
     # fp32 inputs: exact (ieee) dots, no tf32. The interpreter's bf16 tl.dot is wrong
     # (triton 3.9), so interpreted runs compute every dot in fp32.
     dot_fp32 = q.dtype == torch.float32 or not q.is_cuda
+    options = {"num_warps": num_warps} if q.is_cuda else {}
     _launch(
         _paged_attention_kernel, grid, q.device,
         q, k_cache, v_cache, out,
@@ -546,9 +567,37 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         group, block_size, head_dim,
-        block_q, block_m, block_n, block_d, dot_fp32,
+        block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, **options,
     )  # fmt: skip
     return out
+
+
+def attention_tiles(
+    group: int, head_dim: int, max_query_len: int, dtype: torch.dtype, on_gpu: bool
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV, num_warps) of the attention kernel.
+
+    GPU: 64 query rows (tokens x GQA group) and 64 KV positions per tile. Heads up to 128 wide
+    are one chunk (queries loaded once); wider ones (MLA's 576) go in 64-wide chunks for the
+    scores and 64-wide value chunks, one per program, so no tile exceeds 128 x 64 and nothing
+    spills (``python -m tandem.kernels.aot`` checks every variant for sm_80 / sm_90: registers,
+    spills, shared memory). Eight warps where the tiles are large. The interpreter is slow per
+    element: 16-row tiles there, and 32-wide chunks, so heads wider than 32 run the chunked
+    code paths in the interpreter tests."""
+    if not on_gpu:
+        block_q = max(1, min(16 // group, max_query_len))
+        block_d = min(32, max(16, _next_pow2(head_dim)))
+        return block_q, max(16, _next_pow2(block_q * group)), 16, block_d, block_d, 4
+    block_q = max(1, min(64 // group, max_query_len))
+    block_m = max(16, _next_pow2(block_q * group))
+    block_d = max(16, _next_pow2(head_dim))
+    wide = block_d > 128
+    block_dk = 64 if wide else block_d
+    block_dv = 64 if wide else block_d
+    block_n = 32 if block_m * block_dk >= 64 * 128 else 64  # big query tiles: shorter KV tiles
+    big = block_m >= 64 or block_dk >= 128
+    del dtype  # the same tiles for bf16, fp16 and fp32 (fp32 dots are exact, see the caller)
+    return block_q, block_m, block_n, block_dk, block_dv, 8 if big else 4
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ SCENARIOS = {
     "verify": [(8, 4), (13, 4), (2, 4)],  # speculative K + 1 = 4 rows per sequence
     "mixed": [(0, 7), (5, 6), (9, 1), (13, 4), (30, 1)],
 }
-HEADS = {"gqa": (8, 2), "mqa": (4, 1), "mha": (4, 4)}
+HEADS = {"gqa": (8, 2), "mqa": (4, 1), "mha": (4, 4), "mla": (16, 1)}  # mla: all heads, one row
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -371,6 +371,9 @@ TRITON_CASES = [
     ("mixed", "mqa", 16, 48, torch.float32),
     ("mixed", "mha", 4, 16, torch.float16),
     ("mixed", "gqa", 16, 48, torch.bfloat16),
+    # MLA-like: 16 heads over one latent row 72 wide (3 score chunks, 3 value chunks of 32).
+    ("verify", "mla", 16, 72, torch.float32),
+    ("mixed", "mla", 4, 72, torch.bfloat16),
 ]
 
 
@@ -442,3 +445,19 @@ def test_triton_cuda_matches_reference(dtype):
     cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in b.args()]
     out = paged_attention(*cuda_args)
     assert_close(out.cpu(), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("heads", "scenario"), [(128, "decode"), (16, "verify"), (128, "mixed")])
+def test_triton_cuda_mla_shapes_match_reference(heads: int, scenario: str) -> None:
+    """DeepSeek-V3's latent attention: 128 heads (16 at TP = 8) over one 576-wide latent row
+    (512 + rope 64), in bf16: the chunked tiles that fit an H100's shared memory."""
+    if INTERPRETER:
+        selector = f"test_triton_cuda_mla_shapes_match_reference and {heads}-{scenario}"
+        assert run_in_fresh_interpreter(__file__, selector, interpret=False) == 1
+        return
+    b = make_batch(SCENARIOS[scenario], heads, 1, 576, 16, torch.bfloat16, seed=heads)
+    ref = paged_attention_reference(*b.args())
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in b.args()]
+    assert_close(paged_attention(*cuda_args).cpu(), ref, torch.bfloat16)
