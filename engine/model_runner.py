@@ -45,9 +45,31 @@ from tandem.engine.step import (
     is_dummy,
     num_dummy_blocks,
 )
-from tandem.kernels.paged_attention import build_attention_plan
+from tandem.kernels.paged_attention import FORCE_GPU_PATHS, build_attention_plan
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import all_ranks_true
+
+
+def host_rows(*parts: torch.Tensor) -> list[list[list[Any]]]:
+    """Several [B, ...] device tensors read back in one copy (one host sync): per part, B rows
+    of its values flattened, ints for integer parts. The parts travel as one float64 tensor
+    when any is floating (exact for float32 values and for ints below 2**53), else int64."""
+    b = parts[0].shape[0]
+    if b == 0:
+        return [[] for _ in parts]
+    flat = [p.reshape(b, -1) for p in parts]
+    dtype = torch.float64 if any(f.is_floating_point() for f in flat) else torch.int64
+    rows = torch.cat([f.to(dtype) for f in flat], dim=1).tolist()
+    out: list[list[list[Any]]] = []
+    start = 0
+    for f in flat:
+        end = start + f.shape[1]
+        if f.is_floating_point() or dtype == torch.int64:
+            out.append([r[start:end] for r in rows])
+        else:
+            out.append([[int(v) for v in r[start:end]] for r in rows])
+        start = end
+    return out
 
 
 class ModelRunner:
@@ -176,7 +198,7 @@ class ModelRunner:
         max_s = max(seq_lens)
         slot_mapping = t(slots, torch.int64)
         plan = None
-        if dev.type == "cpu":
+        if dev.type == "cpu" and not FORCE_GPU_PATHS:
             plan = partial(
                 build_attention_plan,
                 block_tables,
@@ -386,12 +408,16 @@ class ModelRunner:
         # sample() widens to float32 itself where it needs to (not for plain greedy rows).
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         out = sample(logits, self.sampling_tensors(inp.sampled))
-        token_ids = out.token_ids.tolist()  # the step's one host sync
+        if out.logprobs is None:
+            (ids_rows,) = host_rows(out.token_ids)  # the step's one host sync
+        else:
+            ids_rows, chosen_rows, top_ids, top_lp = host_rows(
+                out.token_ids, out.logprobs, out.topk_ids, out.topk_logprobs
+            )
+            chosen = [row[0] for row in chosen_rows]
+        token_ids = [row[0] for row in ids_rows]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(token_ids)
         if out.logprobs is not None:
-            chosen = out.logprobs.tolist()
-            top_ids = out.topk_ids.tolist()
-            top_lp = out.topk_logprobs.tolist()
             for i, r in enumerate(inp.sampled):
                 n = r.params.logprobs
                 if n is not None:
@@ -475,14 +501,19 @@ class ModelRunner:
             full = widen_columns(logits, k1).reshape(b * k1, -1)
             lp = compute_logprobs(full, tokens.view(-1), st.max_num_logprobs)
         # The step's one host sync.
-        acc = num_accepted.tolist()
-        toks = tokens.tolist()
-        drafts = new_drafts.tolist()
+        if lp is None:
+            acc_rows, toks, drafts = host_rows(num_accepted, tokens, new_drafts)
+        else:
+            acc_rows, toks, drafts, chosen, top_ids_flat, top_lp_flat = host_rows(
+                num_accepted, tokens, new_drafts, lp[0].view(b, k1), lp[1].view(b, k1, -1),
+                lp[2].view(b, k1, -1),
+            )  # fmt: skip
+            n_top = lp[1].shape[-1]
+            top_ids = [[r[j * n_top : (j + 1) * n_top] for j in range(k1)] for r in top_ids_flat]
+            top_lp = [[r[j * n_top : (j + 1) * n_top] for j in range(k1)] for r in top_lp_flat]
+        acc = [row[0] for row in acc_rows]
         logprobs: list[list[TokenLogprobs] | None] = [None] * b
         if lp is not None:
-            chosen = lp[0].view(b, k1).tolist()
-            top_ids = lp[1].view(b, k1, -1).tolist()
-            top_lp = lp[2].view(b, k1, -1).tolist()
             for i, r in enumerate(inp.sampled):
                 n = r.params.logprobs
                 if n is not None:
