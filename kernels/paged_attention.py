@@ -16,6 +16,7 @@ through the Triton interpreter). `paged_attention` dispatches between the last t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,19 @@ try:
     HAS_TRITON = True
 except ImportError:  # triton is Linux-only; the PyTorch paths still work
     HAS_TRITON = False
+
+# Test-only: CPU tensors take the GPU code paths (Triton kernels through the interpreter, no CPU
+# attention plan), so a CPU run sees the ops a GPU step runs (engine/capture_check.py). Read once,
+# at import; never set it in production.
+GPU_PATHS_ENV = "TANDEM_TEST_GPU_PATHS"
+FORCE_GPU_PATHS = os.environ.get(GPU_PATHS_ENV, "").strip() == "1"
+
+
+def gpu_paths(t: Tensor) -> bool:
+    """Whether work on ``t`` takes the GPU code paths: CUDA tensors, or any under
+    ``TANDEM_TEST_GPU_PATHS=1``."""
+    return t.is_cuda or FORCE_GPU_PATHS
+
 
 __all__ = [
     "AttentionPlan",
@@ -66,7 +80,7 @@ def write_kv_cache(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     if use_triton is None:
-        use_triton = k.is_cuda and HAS_TRITON
+        use_triton = gpu_paths(k) and HAS_TRITON
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
@@ -324,7 +338,7 @@ def paged_attention(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     if use_triton is None:
-        use_triton = q.is_cuda and HAS_TRITON
+        use_triton = gpu_paths(q) and HAS_TRITON
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2
+from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2, gpu_paths
 
 if HAS_TRITON:
     import triton
@@ -240,7 +240,7 @@ def build_draft_step0_inputs(
 
 def _pick_triton(use_triton: bool | None, like: Tensor) -> bool:
     if use_triton is None:
-        return like.is_cuda and HAS_TRITON
+        return gpu_paths(like) and HAS_TRITON
     if use_triton and not HAS_TRITON:
         raise RuntimeError("use_triton=True but triton is not installed")
     return use_triton

@@ -62,6 +62,31 @@ def make_worker(
     return Worker(args.create_engine_config(), mapping=mapping)
 
 
+def build_graph_models(root: Path) -> dict[str, Path]:
+    """The tiny checkpoints the graph checks run: a 2-layer target with one MTP layer, a copy
+    with two (vanilla MTP) and an Eagle3 head with a 160-token draft vocabulary."""
+    import shutil
+
+    from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
+
+    target = build_llama(root / "target", layers=2)
+    add_mtp_layers(target, 1)
+    vanilla = root / "vanilla"
+    shutil.copytree(target, vanilla)
+    add_mtp_layers(vanilla, 2, seed=5)
+    return {
+        "target": target,
+        "vanilla": vanilla,
+        "eagle3": build_eagle3_draft(root / "eagle3", target, draft_vocab=160),
+    }
+
+
+def method_worker(models: dict[str, Path], method: str, **kw: Any) -> Worker:
+    """A CPU worker for ``method`` (none, mtp-eagle, eagle3, mtp-vanilla) on ``models``."""
+    target = models["vanilla" if method == "mtp-vanilla" else "target"]
+    return make_worker(target, spec_config(method, models["eagle3"]), "cpu", **kw)
+
+
 def _blocks(i: int, worker: Worker) -> list[int]:
     per = -(-(64 + 2 * worker.runner.k) // worker.runner.block_size)
     return list(range(i * per, (i + 1) * per))

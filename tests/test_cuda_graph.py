@@ -6,23 +6,22 @@ variant, with and without speculation. Real CUDA graphs: ``test_gpu.py``."""
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
 from graph_checks import (
     GREEDY as GREEDY_PARAMS,
 )
 from graph_checks import (
     MIXED,
+    build_graph_models,
     check_adp_dummy,
     check_variant,
     generation_step,
-    make_worker,
+    method_worker,
     spec_config,
 )
 from tandem import LLM, SamplingParams
@@ -204,22 +203,11 @@ def test_graph_mode_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("graphs")
-    target = build_llama(root / "target", layers=2)
-    add_mtp_layers(target, 1)
-    vanilla = root / "vanilla"
-    shutil.copytree(target, vanilla)
-    add_mtp_layers(vanilla, 2, seed=5)
-    return {
-        "target": target,
-        "vanilla": vanilla,
-        "eagle3": build_eagle3_draft(root / "eagle3", target, draft_vocab=160),
-    }
+    return build_graph_models(tmp_path_factory.mktemp("graphs"))
 
 
 def _worker(tiny: dict[str, Path], method: str, **kw: Any) -> Any:
-    target = tiny["vanilla" if method == "mtp-vanilla" else "target"]
-    return make_worker(target, spec_config(method, tiny["eagle3"]), "cpu", **kw)
+    return method_worker(tiny, method, **kw)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from tandem.engine.sampler import SamplingTensors, probs_for_rows
 from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
 from tandem.kernels import cpu_decode
-from tandem.kernels.paged_attention import build_attention_plan
+from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
 from tandem.kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping, adp_lm_head_tp_argmax
@@ -392,7 +392,7 @@ class SpecDecoder:
         seq_lens = (pos + 1).to(torch.int32)
         qsl = torch.arange(b + 1, dtype=torch.int32, device=pos.device)
         plan = None
-        if pos.device.type == "cpu":
+        if not gpu_paths(pos):  # the CPU attention path's indices
             plan = partial(
                 build_attention_plan,
                 layout.block_tables,
