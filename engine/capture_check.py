@@ -179,31 +179,21 @@ class CaptureHazards:
     def host_syncs(self) -> int:
         return sum(h.kind == "host sync" for h in self.hazards)
 
-    @contextlib.contextmanager
-    def _kernels_are_device_work(self) -> Iterator[None]:
-        from tandem.kernels import moe, paged_attention, spec_decode
+    def _device_work(self, *args: Any, **options: int) -> None:
+        """A kernel launch: device work, whatever the interpreter does inside it."""
+        from tandem.kernels.paged_attention import run_launch
 
-        modules = (paged_attention, moe, spec_decode)
-        saved = [m._launch for m in modules]
-
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.in_kernel = True
-            try:
-                saved[0](*args, **kwargs)
-            finally:
-                self.in_kernel = False
-
-        for m in modules:
-            m._launch = launch
+        self.in_kernel = True
         try:
-            yield
+            run_launch(*args, **options)
         finally:
-            for m, original in zip(modules, saved, strict=True):
-                m._launch = original
+            self.in_kernel = False
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[CaptureHazards]:
-        with self._kernels_are_device_work(), _Function(self), _Dispatch(self):
+        from tandem.kernels.paged_attention import launch_hook
+
+        with launch_hook(self._device_work), _Function(self), _Dispatch(self):
             yield self
 
 
@@ -217,8 +207,7 @@ def static_tensors(runner: Any) -> list[torch.Tensor]:
     for module in (runner.model, getattr(runner.spec, "draft", None)):
         if module is not None:
             out += [*module.parameters(), *module.buffers()]
-            out += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-            for m in module.modules():
+            for m in module.modules():  # plain tensor attributes too (bound KV caches, tables)
                 out += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
     for caches in runner.kv_caches:
         out += list(caches)

@@ -37,7 +37,7 @@ from tandem.engine.sampler import SamplingTensors
 from tandem.engine.speculative.decoder import VerifyLayout
 from tandem.engine.speculative.interface import SpecMetadata
 from tandem.engine.step import PreparedInputs, StepInput
-from tandem.kernels.paged_attention import FORCE_GPU_PATHS, build_attention_plan
+from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping
 
@@ -176,7 +176,7 @@ class GraphRunner:
         tables, seq_lens = buf["block_tables"][:b], buf["seq_lens"][:b]
         qsl = buf["query_start_loc"][: b + 1]
         plan = None
-        if not self.use_cuda and not FORCE_GPU_PATHS:  # the CPU attention path's indices
+        if not gpu_paths(self.runner.device):  # the CPU attention path's indices
             plan = partial(
                 build_attention_plan,
                 tables,

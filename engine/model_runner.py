@@ -45,7 +45,7 @@ from tandem.engine.step import (
     is_dummy,
     num_dummy_blocks,
 )
-from tandem.kernels.paged_attention import FORCE_GPU_PATHS, build_attention_plan
+from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import all_ranks_true
 
@@ -198,7 +198,7 @@ class ModelRunner:
         max_s = max(seq_lens)
         slot_mapping = t(slots, torch.int64)
         plan = None
-        if dev.type == "cpu" and not FORCE_GPU_PATHS:
+        if not gpu_paths(dev):  # the CPU attention path's indices
             plan = partial(
                 build_attention_plan,
                 block_tables,

@@ -162,8 +162,8 @@ def _signature(fn: Any, args: tuple[Any, ...]) -> tuple[dict[str, str], dict[str
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Variant]]:
-    """Every ``_launch`` in the kernel modules records its variant instead of running."""
-    from tandem.kernels import moe, paged_attention, spec_decode
+    """Every kernel launch records its variant instead of running."""
+    from tandem.kernels.paged_attention import launch_hook
 
     found: list[Variant] = []
 
@@ -187,15 +187,8 @@ def recording() -> Iterator[list[Variant]]:
             )  # fmt: skip
         )
 
-    modules = (paged_attention, moe, spec_decode)
-    saved = [m._launch for m in modules]
-    for m in modules:
-        m._launch = record
-    try:
+    with launch_hook(record):
         yield found
-    finally:
-        for m, launch in zip(modules, saved, strict=True):
-            m._launch = launch
 
 
 class _FakeCudaIndexing(torch.overrides.TorchFunctionMode):
@@ -434,15 +427,21 @@ def subset(variants: list[Variant]) -> list[Variant]:
 def package_kernels() -> set[str]:
     """Names of every ``@triton.jit`` function in the kernel modules (the coverage check)."""
     import triton
+    from triton.runtime.interpreter import InterpretedFunction
 
     from tandem.kernels import moe, paged_attention, spec_decode
 
+    kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)  # TRITON_INTERPRET=1 too
     return {
         name.lstrip("_")
         for m in (paged_attention, moe, spec_decode)
         for name, obj in vars(m).items()
-        if isinstance(obj, triton.runtime.jit.JITFunction)
+        if isinstance(obj, kinds)
     }
+
+
+def _cell(x: Any) -> str:
+    return "-" if x is None else str(x)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,18 +451,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", action="store_true", help="every kernel once per target (fast)")
     ap.add_argument("--presets", nargs="*", help="only these presets (default: all shipped)")
     ap.add_argument(
-        "--targets", nargs="*", type=int, help="compute capabilities (default: all known)"
-    )
+        "--targets", nargs="*", type=int, choices=sorted(TARGETS),
+        help="compute capabilities (default: every one the installed Triton knows)",
+    )  # fmt: skip
     ap.add_argument("--kernels", nargs="*", help="only these kernels (names as printed)")
     ap.add_argument("--out", default=None, help="report path (default: a temporary file)")
     args = ap.parse_args(argv)
 
     import triton
 
-    os.environ.pop("TRITON_INTERPRET", None)
+    from tandem.kernels.paged_attention import triton_interpreter_enabled
+
+    if triton_interpreter_enabled():
+        ap.error("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
+    shipped = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    unknown = sorted(set(args.presets or ()) - set(shipped))
+    if unknown:
+        ap.error(f"unknown preset(s) {', '.join(unknown)}; shipped: {', '.join(shipped)}")
+    kernels = package_kernels()
+    unknown = sorted(set(args.kernels or ()) - kernels)
+    if unknown:
+        ap.error(f"unknown kernel(s) {', '.join(unknown)}; kernels: {', '.join(sorted(kernels))}")
     started = time.monotonic()
     variants, failures = collect_variants(preset_shapes(args.presets))
-    missing = package_kernels() - {v.kernel for v in variants}
+    missing = kernels - {v.kernel for v in variants}
     for name in sorted(missing):
         failures.append({"kernel": name, "variant": "-", "error": "no entry point launched it"})
     if args.kernels:
@@ -488,12 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     for r in sorted(rows, key=lambda r: (r["kernel"], r["target"], r["variant"])):
-
-        def cell(x: Any) -> str:
-            return "-" if x is None else str(x)
-
-        print(f"{r['kernel']:24s} {r['target']:8s} {cell(r['registers']):>5s} "
-              f"{cell(r['spill_bytes']):>8s} {cell(r['shared_bytes']):>9s}  "
+        print(f"{r['kernel']:24s} {r['target']:8s} {_cell(r['registers']):>5s} "
+              f"{_cell(r['spill_bytes']):>8s} {_cell(r['shared_bytes']):>9s}  "
               f"{'ok' if r['ok'] else 'NO'}  {r['variant']}"
               + (f"\n{'':24s} ^ {r['error']}" if not r["ok"] else ""))  # fmt: skip
     bad = [r for r in rows if not r["ok"]]

@@ -94,8 +94,8 @@ def unavailable_reason() -> str | None:
             f"(it can run: {', '.join(runnable_isas()) or 'none'}; branches: {', '.join(ISA_FLAGS)})"
         )
     if isa() is None:
-        wanted = "; ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
-        return f"the CPU has none of {wanted}"
+        needs = "; ".join(f"{name} ({', '.join(need)})" for name, need in ISA_FLAGS.items())
+        return f"the CPU has none of {needs}"
     return _error
 
 

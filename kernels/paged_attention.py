@@ -15,8 +15,10 @@ through the Triton interpreter). `paged_attention` dispatches between the last t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +40,11 @@ GPU_PATHS_ENV = "TANDEM_TEST_GPU_PATHS"
 FORCE_GPU_PATHS = os.environ.get(GPU_PATHS_ENV, "").strip() == "1"
 
 
-def gpu_paths(t: Tensor) -> bool:
-    """Whether work on ``t`` takes the GPU code paths: CUDA tensors, or any under
-    ``TANDEM_TEST_GPU_PATHS=1``."""
-    return t.is_cuda or FORCE_GPU_PATHS
+def gpu_paths(where: Tensor | torch.device) -> bool:
+    """Whether work on ``where`` (a tensor or a device) takes the GPU code paths: CUDA, or
+    anything under ``TANDEM_TEST_GPU_PATHS=1``."""
+    device = where.device if isinstance(where, Tensor) else where
+    return device.type == "cuda" or FORCE_GPU_PATHS
 
 
 __all__ = [
@@ -381,11 +384,38 @@ def triton_interpreter_enabled() -> bool:
     return isinstance(tl.sum, InterpretedFunction)
 
 
+# Where every Triton launch of the kernel modules goes while set (``launch_hook``): the AOT
+# tool records launches instead of running them, the capture check marks them as device work.
+_launch_hook: Callable[..., None] | None = None
+
+
+@contextlib.contextmanager
+def launch_hook(hook: Callable[..., None]) -> Iterator[None]:
+    """Route every ``_launch`` (paged attention, MoE, speculative decoding kernels) to
+    ``hook(kernel, grid, device, *args, **options)`` inside the block; ``run_launch`` runs one."""
+    global _launch_hook
+    saved, _launch_hook = _launch_hook, hook
+    try:
+        yield
+    finally:
+        _launch_hook = saved
+
+
 def _launch(
     kernel: object, grid: tuple[int, ...], device: torch.device, *args: object, **options: int
 ) -> None:
     """Launch on CUDA, or in the Triton interpreter for CPU tensors. ``options``: num_warps,
-    num_stages (Triton's defaults otherwise); ``tandem.kernels.aot`` records what is passed."""
+    num_stages (Triton's defaults otherwise)."""
+    if _launch_hook is not None:
+        _launch_hook(kernel, grid, device, *args, **options)
+        return
+    run_launch(kernel, grid, device, *args, **options)
+
+
+def run_launch(
+    kernel: object, grid: tuple[int, ...], device: torch.device, *args: object, **options: int
+) -> None:
+    """The launch itself (what ``_launch`` does without a hook)."""
     if device.type != "cuda" and not triton_interpreter_enabled():
         raise RuntimeError(
             "Triton kernels run on CPU only in the Triton interpreter: set TRITON_INTERPRET=1 "

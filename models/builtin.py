@@ -84,8 +84,8 @@ def builtin_default_dtype(device: str = "auto") -> str:
     on a CPU that runs the decode fast path (decode reads half the bytes; 10 eval chat prompts
     one at a time, greedy, 2-core AVX-512 BF16 Xeon: 114.2 tokens/s against 58.6 in float32,
     118.2 against 90.5 with Eagle3), else float32 (eager bf16 products on a CPU without it are
-    slower than fp32). Pass
-    ``--dtype float32`` for the exact parity with ``transformers``' GGUF load."""
+    slower than fp32). ``--dtype float32`` keeps the exact parity with ``transformers``' GGUF
+    load."""
     from tandem.engine.config import resolve_device
     from tandem.kernels import cpu_decode
 
