@@ -16,6 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tandem.models.parallel import ParallelMapping
+from tandem.models.quantization import dequantize_fp8, fp8_scheme, read_scales
 from tandem.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,17 @@ def iterate_checkpoint(
     bar.close()
 
 
+def checkpoint_weights(
+    files: list[Path], config: Any, desc: str = "loading weights"
+) -> Iterator[tuple[str, Any]]:
+    """``iterate_checkpoint`` with FP8 weights read as their dequantized values
+    (``models.quantization``): the model computes in its own dtype (weight-only)."""
+    scheme = fp8_scheme(config)
+    weights = iterate_checkpoint(files, desc)
+    scales = read_scales(files) if scheme is not None else {}
+    return dequantize_fp8(weights, scheme, scales, str(files[0].parent))
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -119,7 +131,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     with default_dtype(torch_dtype), torch.device(device):
         model = cls(config, mapping or ParallelMapping())
-    loaded = model.load_weights(iterate_checkpoint(safetensors_files(path)))
+    loaded = model.load_weights(checkpoint_weights(safetensors_files(path), config))
     check_complete(model, loaded, path)
     model.eval()
     return model
@@ -252,7 +264,7 @@ def load_draft(
                 bool(type(target).qk_norm),
             )
     draft.bind_target(target)
-    loaded = draft.load_weights(iterate_checkpoint(files, "loading MTP"), first, available)
+    loaded = draft.load_weights(checkpoint_weights(files, config, "loading MTP"), first, available)
     check_complete(draft, loaded, folder)
     d2t = find_tensor(files, "d2t")
     if getattr(spec, "draft_vocab", "auto") == "auto" and d2t is not None:

@@ -1,0 +1,282 @@
+"""FP8 checkpoints (DeepSeek-V3/R1's block-quantized format, and per-tensor exports) load and
+run exactly: against transformers' own loader of the same FP8 folder (which dequantizes on a
+CPU), against a twin checkpoint holding the dequantized values, with FP8 MTP layers, and across
+two TP ranks whose shards cut FP8 blocks in half."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import (
+    add_deepseek_mtp_layers,
+    build_deepseek_v3,
+    build_llama,
+    hf_greedy,
+    scale_residual_writes,
+)
+from tandem import LLM, SamplingParams
+from tandem.models.quantization import (
+    DequantizedWeight,
+    dequantize_fp8_blockwise,
+    quantize_fp8_blockwise,
+)
+
+PROMPTS = [[5, 6, 7], list(range(40, 60)), [100], list(range(60, 90))]
+NEW_TOKENS = 24
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+NOT_QUANTIZED = ("norm", "embed_tokens", "lm_head", "shared_head.head", "mlp.gate.weight")
+
+
+def _reference_dequantize(q: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """Block-wise ``q * scale`` written out independently: pad to whole blocks, broadcast."""
+    bn, bk = block
+    n, k = q.shape
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    padded = torch.zeros(gn * bn, gk * bk)
+    padded[:n, :k] = q.float()
+    out = padded.view(gn, bn, gk, bk) * scale.view(gn, 1, gk, 1)
+    return out.view(gn * bn, gk * bk)[:n, :k]
+
+
+def quantize_checkpoint(src: Path, dst: Path, block: list[int] | None) -> Path:
+    """Copy ``src`` to ``dst`` with every linear weight (MTP layers' too) stored as FP8: block-wise
+    (``weight_scale_inv`` grids, power-of-two scales so dequantized values are exact in bf16)
+    or, with ``block=None``, per tensor (a scalar ``weight_scale``)."""
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    assert len(files) == 1
+    state = load_file(str(files[0]))
+    out: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(0)
+    for name, w in state.items():
+        if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in NOT_QUANTIZED):
+            out[name] = w
+            continue
+        if block is None:
+            scale = torch.exp2(torch.ceil(torch.log2(w.abs().amax() / 448)))
+            out[name] = (w / scale).to(torch.float8_e4m3fn)
+            out[name + "_scale"] = scale.float()
+        else:
+            q, scale = quantize_fp8_blockwise(w, tuple(block), power_of_two=True)
+            # Blocks' scales 1x to 8x apart (q divided to match, exactly: powers of two), so
+            # a block read with its neighbour's scale changes the result.
+            shift = torch.exp2(torch.randint(0, 4, scale.shape, generator=g).float())
+            q = (q.float() / _reference_dequantize(torch.ones_like(q), shift, block)).to(q.dtype)
+            out[name], out[name + "_scale_inv"] = q, scale * shift
+    save_file(out, str(files[0]), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block is not None:
+        qc["weight_block_size"] = block
+    cfg["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def dequantized_twin(fp8: Path, dst: Path) -> Path:
+    """The FP8 checkpoint's values, dequantized here and stored in float32, without a
+    quantization_config: what the FP8 checkpoint must compute exactly like."""
+    shutil.copytree(fp8, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    f = next(dst.glob("*.safetensors"))
+    state = load_file(str(f))
+    out = {}
+    for name, t in state.items():
+        if name.endswith(("_scale_inv", "_scale")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            if "weight_block_size" in qc:
+                t = _reference_dequantize(t, state[name + "_scale_inv"], qc["weight_block_size"])
+            else:
+                t = t.float() * state[name + "_scale"]
+        out[name] = t
+    save_file(out, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def _generate(folder: Path, **kw: Any) -> tuple[list[list[int]], list[list[float]], list[Any]]:
+    with LLM(str(folder), dtype="float32", max_num_batched_tokens=32, **kw) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    return (
+        [o.outputs[0].token_ids for o in outs],
+        [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
+        [o.spec_stats.accepted_per_pos if o.spec_stats else None for o in outs],
+    )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fp8")
+
+
+@pytest.fixture(scope="module")
+def dsv3(root: Path) -> Path:
+    """A 2-layer DeepSeek-V3 (dense, MoE) with one echo MTP layer, in float32."""
+    folder = build_deepseek_v3(root / "dense", layers=2, seed=5)
+    scale_residual_writes(folder, 0.05)
+    add_deepseek_mtp_layers(folder, 1, echo=True)
+    return folder
+
+
+# ----------------------------------------------------------------------------- the lazy view
+
+
+@pytest.mark.parametrize("shape", [(50, 37), (3, 50, 33)])
+def test_dequantized_weight_slices_equal_slices_of_the_whole(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(*shape)
+    q, scale = quantize_fp8_blockwise(w, (16, 16))
+    assert scale.shape == (*shape[:-2], 4, 3)  # partial edge blocks
+    whole = dequantize_fp8_blockwise(q, scale, (16, 16), torch.float32)
+    if len(shape) == 2:
+        assert torch.equal(whole, _reference_dequantize(q, scale, [16, 16]))
+    assert (whole - w).abs().max() <= w.abs().max() / 8  # e4m3: 3 mantissa bits
+    view = DequantizedWeight("x.weight", q, scale, (16, 16))
+    assert torch.equal(view[:], whole)
+    for a, b in ((0, 7), (5, 21), (17, 50), (33, 34)):
+        assert torch.equal(view[a:b], whole[a:b])
+        assert torch.equal(view[:, a : min(b, shape[1])], whole[:, a : min(b, shape[1])])
+    if len(shape) == 3:
+        assert torch.equal(view[1:3, 9:30, 2:20], whole[1:3, 9:30, 2:20])
+
+
+def test_a_scale_grid_that_does_not_fit_the_weight_is_refused() -> None:
+    q, scale = quantize_fp8_blockwise(torch.randn(40, 32), (16, 16))
+    with pytest.raises(ValueError, match=r"does not match the weight \(40, 32\) in blocks of"):
+        DequantizedWeight("x.weight", q, scale[:2], (16, 16))
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3
+
+
+@pytest.mark.timeout(300)
+def test_block_fp8_deepseek_v3_equals_transformers_dequantized(dsv3: Path, root: Path) -> None:
+    """Blocks of [8, 8] divide every shape (transformers requires it); transformers, on a CPU,
+    dequantizes the FP8 folder itself ("default to dequantizing the model to bf16")."""
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-8", [8, 8])
+    ref = hf_greedy(fp8, PROMPTS, NEW_TOKENS)
+    tokens, logprobs, _ = _generate(fp8)
+    assert tokens == [r["tokens"] for r in ref]
+    diff = max(
+        abs(a - b)
+        for got, r in zip(logprobs, ref, strict=True)
+        for a, b in zip(got, r["logprobs"], strict=True)
+    )
+    assert diff < 1e-4
+    # The oracle saw FP8 weights, not the float ones: they generate something else.
+    assert tokens != _generate(dsv3)[0]
+
+
+@pytest.mark.timeout(300)
+def test_partial_blocks_and_fp8_mtp_equal_the_dequantized_twin(dsv3: Path, root: Path) -> None:
+    """[16, 16] blocks leave partial edge blocks (kv_a_proj has 40 rows); the MTP layer is FP8
+    too. Tokens, logprobs and what MTP drafts (accepted per position) equal a checkpoint holding
+    the dequantized values."""
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-16", [16, 16])
+    state = load_file(str(next(fp8.glob("*.safetensors"))))
+    assert state["model.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn  # MTP layer
+    assert state["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (3, 4)
+    twin = dequantized_twin(fp8, root / "twin-16")
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    plain = _generate(twin)
+    assert _generate(fp8)[:2] == plain[:2]
+    want = _generate(twin, speculative_config=spec)
+    got = _generate(fp8, speculative_config=spec)
+    assert got[0] == want[0] == plain[0]
+    assert got[2] == want[2]  # the FP8 MTP layer drafts what its dequantized twin drafts
+    assert sum(sum(a) for a in got[2]) > 0
+
+
+@pytest.mark.timeout(300)
+def test_tp2_cuts_fp8_blocks_and_equals_one_rank(dsv3: Path, root: Path) -> None:
+    """[32, 32] blocks: each rank's half of q_b_proj (48 of 96 rows), o_proj (48 of 96 input
+    columns) and the shared experts' (16 of 32) starts or ends inside a block."""
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-32", [32, 32])
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    one = _generate(fp8, speculative_config=spec)
+    two = _generate(fp8, speculative_config=spec, tensor_parallel_size=2)
+    assert two[0] == one[0]
+    assert two[2] == one[2]
+    diff = max(
+        abs(a - b) for x, y in zip(one[1], two[1], strict=True) for a, b in zip(x, y, strict=True)
+    )
+    assert diff < 1e-4
+
+
+# ----------------------------------------------------------------------------- per tensor
+
+
+def test_per_tensor_fp8_llama_equals_the_dequantized_twin(root: Path) -> None:
+    folder = build_llama(root / "llama")
+    fp8 = quantize_checkpoint(folder, root / "llama-fp8", None)
+    twin = dequantized_twin(fp8, root / "llama-twin")
+    assert _generate(fp8)[:2] == _generate(twin)[:2]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _edit(folder: Path, dst: Path, config: dict[str, Any] | None = None, drop: str = "") -> Path:
+    shutil.copytree(folder, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        f = next(dst.glob("*.safetensors"))
+        state = load_file(str(f))
+        del state[drop]
+        save_file(state, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_fp8_checkpoints_we_cannot_read_exactly_are_refused(dsv3: Path, root: Path) -> None:
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-bad", [16, 16])
+    qc = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    cases = {
+        "no-scale": (
+            {},
+            scale,
+            r"model.layers.1.self_attn.o_proj.weight is stored in float8 without a scale",
+        ),
+        "no-config": (
+            {"quantization_config": None},
+            "",
+            "is stored in float8 but config.json has no quantization_config",
+        ),
+        "method": (
+            {"quantization_config": {**qc, "quant_method": "gptq"}},
+            "",
+            r"quant_method='gptq' is not supported; supported: 'fp8'",
+        ),
+        "static": (
+            {"quantization_config": {**qc, "activation_scheme": "static"}},
+            "",
+            r"activation_scheme='static' is not supported",
+        ),
+        "block": (
+            {"quantization_config": {**qc, "weight_block_size": [8, 8]}},
+            "",
+            r"does not match the weight .* in blocks of \[8, 8\]",
+        ),
+        "not-converted": (
+            {"quantization_config": {**qc, "modules_to_not_convert": ["o_proj"]}},
+            "",
+            "o_proj.weight is stored in float8 but quantization_config.modules_to_not_convert",
+        ),
+    }
+    for name, (config, drop, message) in cases.items():
+        bad = _edit(fp8, root / f"bad-{name}", config, drop)
+        with pytest.raises(ValueError, match=message):
+            LLM(str(bad), dtype="float32")
