@@ -68,6 +68,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         n_group=8,
         topk_group=4,
         moe_inter=2048,
+        fp8_block=(128, 128),  # the released weights are FP8 in 128 x 128 blocks
     ),  # fmt: skip
 }
 PRESET_FAMILY = {
@@ -237,6 +238,7 @@ def _basic_index(index: Any) -> bool:
 
 def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
     """(description, call) for every kernel entry point at this shape, on fake CUDA tensors."""
+    from tandem.kernels.fp8 import fp8_linear
     from tandem.kernels.moe import grouped_topk, moe_experts
     from tandem.kernels.paged_attention import paged_attention, write_kv_cache
     from tandem.kernels.spec_decode import (
@@ -292,6 +294,14 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
                 ints(t, f["top_k"]), 0, use_triton=True,
             )  # fmt: skip
     b = shape.max_num_seqs
+    if "fp8_block" in f:
+        bn, bk = f["fp8_block"]
+        n, k = 1536, f["hidden"]  # q_a_proj; the tiles depend on the rows and the blocks only
+        for t in (1, b * (shape.k + 1), shape.max_num_batched_tokens):
+            yield f"fp8 linear T={t}", lambda t=t: fp8_linear(
+                empty(t, k), empty(n, k, dt=torch.float8_e4m3fn),
+                empty(-(-n // bn), -(-k // bk), dt=torch.float32), (bn, bk), use_triton=True,
+            )  # fmt: skip
     for k in KS:
         yield (
             f"accept K={k}",
@@ -409,6 +419,16 @@ def compile_variant(v: Variant, cc: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def min_capability(v: Variant) -> int:
+    """The oldest target a variant is dispatched on: FP8 operands need FP8 tensor cores
+    (``kernels.fp8.FP8_MIN_CAPABILITY``, sm_89); below that FP8 weights are dequantized."""
+    from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
+
+    if any(t == "*fp8e4nv" for _, t in v.signature):
+        return 10 * FP8_MIN_CAPABILITY[0] + FP8_MIN_CAPABILITY[1]
+    return 0
+
+
 def subset(variants: list[Variant]) -> list[Variant]:
     """Every kernel once: the variant with the largest constexpr tile (the likeliest to fail)."""
     best: dict[str, Variant] = {}
@@ -425,18 +445,24 @@ def subset(variants: list[Variant]) -> list[Variant]:
 
 
 def package_kernels() -> set[str]:
-    """Names of every ``@triton.jit`` function in the kernel modules (the coverage check)."""
+    """Names of every ``@triton.jit`` function in the kernel modules (the coverage check): every
+    module of ``tandem.kernels``, so a new module's kernels are counted without a list here."""
+    import importlib
+    import pkgutil
+
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
-    from tandem.kernels import moe, paged_attention, spec_decode
+    import tandem.kernels
 
     kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)  # TRITON_INTERPRET=1 too
+    modules = [
+        importlib.import_module(f"tandem.kernels.{info.name}")
+        for info in pkgutil.iter_modules(tandem.kernels.__path__)
+        if info.name != "aot"
+    ]
     return {
-        name.lstrip("_")
-        for m in (paged_attention, moe, spec_decode)
-        for name, obj in vars(m).items()
-        if isinstance(obj, kinds)
+        name.lstrip("_") for m in modules for name, obj in vars(m).items() if isinstance(obj, kinds)
     }
 
 
@@ -487,13 +513,14 @@ def main(argv: list[str] | None = None) -> int:
         # A cache per target: nothing compiled for one target is reused for another.
         with tempfile.TemporaryDirectory(prefix=f"tandem-aot-sm{cc}-") as cache:
             os.environ["TRITON_CACHE_DIR"] = cache
-            rows += [compile_variant(v, cc) for v in chosen]
+            rows += [compile_variant(v, cc) for v in chosen if cc >= min_capability(v)]
     rows += [{**f, "target": "-", "registers": None, "spill_bytes": None,
               "shared_bytes": None, "ok": False} for f in failures]  # fmt: skip
 
     print(f"Triton {triton.__version__}; {len(chosen)} variants of {len({v.kernel for v in chosen})} "
           f"kernels x targets {', '.join(f'cuda:{t}' for t in targets)}; shared-memory limits "
-          f"{', '.join(f'cuda:{t} {TARGETS[t]} B' for t in targets)}; spill limit {SPILL_LIMIT_BYTES} B")  # fmt: skip
+          f"{', '.join(f'cuda:{t} {TARGETS[t]} B' for t in targets)}; spill limit {SPILL_LIMIT_BYTES} B; "
+          "FP8 variants for cuda:89 and newer only")  # fmt: skip
     header = (
         f"{'kernel':24s} {'target':8s} {'regs':>5s} {'spill B':>8s} {'shared B':>9s}  ok  variant"
     )
