@@ -95,3 +95,44 @@ def test_the_checks_catch_shared_memory_spills_and_host_syncs(
     _, failures = aot.collect_variants(aot.preset_shapes(["deepseek-v3-mtp-tp8"]))
     assert failures and all(f["kernel"].startswith("experts") for f in failures), failures
     assert all("bincount" in f["error"] for f in failures), failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_the_aot_report_is_what_the_gpu_loads() -> None:
+    """``make gpu-check``: each kernel's subset variant compiled ahead of time for this GPU's
+    target (registers and spills read by cuobjdump, as on the CPU machine) and the same cubin
+    loaded by the driver: the registers and local memory the driver reports agree."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter compiles nothing; make gpu-check runs this without it")
+    major, minor = torch.cuda.get_device_capability()
+    cc = 10 * major + minor
+    if cc not in aot.TARGETS:
+        pytest.skip(f"sm_{cc} is not an AOT target ({sorted(aot.TARGETS)})")
+    variants, failures = aot.collect_variants(aot.preset_shapes())
+    assert not failures
+    chosen = [v for v in aot.subset(variants) if cc >= aot.min_capability(v)]
+    assert {v.kernel for v in chosen} == {
+        k for k in aot.package_kernels() if cc >= 89 or "fp8" not in k and "quantize" not in k
+    }
+    print(
+        f"\n{'kernel':24s} {'AOT regs':>9s} {'GPU regs':>9s} {'AOT spill B':>12s} {'GPU local B':>12s}"
+    )
+    mismatched = []
+    for v in chosen:
+        row = aot.compile_variant(v, cc)
+        src = ASTSource(fn=v.fn, signature=dict(v.signature), constexprs=dict(v.constexprs))
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=dict(v.options))
+        compiled._init_handles()  # the driver loads the cubin
+        local = 4 * compiled.n_spills  # Triton reports the driver's local bytes / 4
+        print(f"{v.kernel:24s} {row['registers']!s:>9s} {compiled.n_regs:>9d} "
+              f"{row['spill_bytes']!s:>12s} {local:>12d}")  # fmt: skip
+        if row["registers"] != compiled.n_regs or (row["spill_bytes"] == 0) != (local == 0):
+            mismatched.append((v.kernel, row, compiled.n_regs, local))
+        assert row["ok"], row
+    assert not mismatched, mismatched
