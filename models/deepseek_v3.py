@@ -113,11 +113,14 @@ def deepseek_expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> s
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     """The Llama pre-norm block with MLA attention and, from ``first_k_dense_replace`` on, the MoE
-    (the forward is the Llama block's)."""
+    (the forward is the Llama block's). ``attention_cls``: a family with this block and another
+    attention (GLM-4.5) overrides it."""
+
+    attention_cls: type[nn.Module] = MLAAttention
 
     def __init__(self, config: Any, mapping: ParallelMapping, layer_index: int) -> None:
         nn.Module.__init__(self)
-        self.self_attn = MLAAttention(config, mapping)
+        self.self_attn = self.attention_cls(config, mapping)
         self.mlp = make_mlp(config, mapping, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -126,20 +129,26 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
 class DeepseekV3Model(LlamaModel):
     """Embedding, DeepSeek-V3 blocks, final norm; the forward is the Llama model's."""
 
+    layer_cls: type[DeepseekV3DecoderLayer] = DeepseekV3DecoderLayer
+
     def __init__(self, config: Any, mapping: ParallelMapping) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, mapping.attn_mapping
         )
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, mapping, i) for i in range(config.num_hidden_layers)
+            self.layer_cls(config, mapping, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3MTPDraft(MTPDraft):
     """MTP layers whose block is the DeepSeek-V3 one (MLA writing its own latent cache, and the
-    MoE of layer ``num_hidden_layers``); row-picked steps run the MoE on the picked rows only."""
+    MoE of layer ``num_hidden_layers``); row-picked steps run the MoE on the picked rows only.
+    ``attention_cls`` and ``load_fn``: what a family with another attention overrides."""
+
+    attention_cls: type[nn.Module] = MLAAttention
+    load_fn = staticmethod(load_deepseek_weights)
 
     def __init__(self, config: Any, mapping: ParallelMapping, num_layers: int) -> None:
         def make_layer() -> nn.Module:
@@ -148,7 +157,7 @@ class DeepseekV3MTPDraft(MTPDraft):
                 mapping,
                 False,
                 False,
-                self_attn=MLAAttention(config, mapping),
+                self_attn=self.attention_cls(config, mapping),
                 mlp=make_mlp(config, mapping, int(config.num_hidden_layers)),
             )
 
@@ -157,7 +166,7 @@ class DeepseekV3MTPDraft(MTPDraft):
     def load_weights(
         self, weights: Iterable[tuple[str, Any]], first_layer: int, num_ckpt_layers: int
     ) -> set[str]:
-        return load_deepseek_weights(
+        return self.load_fn(
             self, weights, lambda name: self.checkpoint_names(name, first_layer, num_ckpt_layers)
         )
 

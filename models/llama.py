@@ -40,7 +40,10 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         qk_norm: bool,
         input_size: int | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
+        """``rotary_dim``: rotate only the first ``rotary_dim`` dims of each head (partial
+        rotary; default the whole head)."""
         super().__init__()
         mapping = mapping.attn_mapping  # replicated under attention DP
         head_dim = head_dim_of(config)
@@ -63,7 +66,7 @@ class LlamaAttention(nn.Module):
             mapping,
         )
         self.rotary_emb = get_rope(
-            head_dim, config.max_position_embeddings, rope_parameters(config)
+            rotary_dim or head_dim, config.max_position_embeddings, rope_parameters(config)
         )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
+from tandem.models.glm4_moe import Glm4MoeForCausalLM
 from tandem.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -14,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 
