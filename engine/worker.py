@@ -72,14 +72,21 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 
 
 def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
-    """The configured layers, else the draft checkpoint's, else (1, L//2 - 1, L - 4) clamped
+    """The configured layers, else the draft checkpoint's (wherever its layout stores them,
+    as output-of-layer indices: ``draft_config.eagle3_layout``, else
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``), else (1, L//2 - 1, L - 4) clamped
     into [0, L) (our default, so a very shallow target still gets three). Configured or
     checkpoint layers are used as given: outside [0, L) or not three is a ``ValueError`` that
     names the valid range. A layer may repeat: a head trained on a shallow target carries what
     the clamped default gave it, e.g. [1, 1, 0] for 4 layers."""
     layers = getattr(spec, "eagle3_layers_to_capture", None)
     source = "speculative_config.eagle3_layers_to_capture"
-    if layers is None:
+    layout = getattr(draft_config, "eagle3_layout", None)
+    if layers is None and layout is not None:
+        if layout.capture_error is not None:
+            raise ValueError(layout.capture_error)
+        layers, source = layout.capture_layers, layout.capture_source
+    elif layers is None:
         eagle = getattr(draft_config, "eagle_config", None) or {}
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
         source = "the draft checkpoint's eagle_config.eagle_aux_hidden_state_layer_ids"

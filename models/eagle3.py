@@ -1,9 +1,12 @@
-"""Eagle3 draft head: ``fc`` (3H→H) over captured target layers, one Llama-style midlayer whose
-attention reads ``cat[input_layernorm(embed), hidden_norm(h)]`` (2H), ``norm`` and an LM head
-over a reduced draft vocabulary mapped back with ``target_id = draft_id + d2t[draft_id]``."""
+"""Eagle3 draft head: ``fc`` (3 H_target → H) over captured target layers, a Llama-style
+midlayer whose attention reads ``cat[input_layernorm(embed), hidden_norm(h)]`` (2H), optionally
+more decoder layers on H (each with its own KV cache), ``norm`` and an LM head over a reduced
+draft vocabulary mapped back with ``target_id = draft_id + d2t[draft_id]``. Which of these a
+checkpoint has, and how it names them, is its ``Eagle3Layout`` (``models/eagle3_layout``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -14,7 +17,13 @@ from torch import nn
 from tandem.kernels import cpu_decode
 from tandem.models.attention import AttentionMetadata
 from tandem.models.draft import DraftHead, post_attention
-from tandem.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm
+from tandem.models.eagle3_layout import Eagle3Layout, split_layer_key
+from tandem.models.layers import (
+    ParallelLMHead,
+    ReplicatedLinear,
+    RMSNorm,
+    VocabParallelEmbedding,
+)
 from tandem.models.llama import (
     FastDraftLayer,
     LlamaAttention,
@@ -27,19 +36,28 @@ from tandem.models.weights import expected_keys, load_named_weights
 
 
 class Eagle3MidLayer(nn.Module):
+    """The first draft layer: attention over ``cat[embed path, hidden path]`` (2H)."""
+
     supports_pick_rows = True
     fast_path: Eagle3FastPath | None = None  # set by ``Eagle3Draft.enable_cpu_fast_path``
 
-    def __init__(self, config: Any, mapping: ParallelMapping) -> None:
+    def __init__(
+        self, config: Any, mapping: ParallelMapping, layout: Eagle3Layout | None = None
+    ) -> None:
+        """``layout``: default the plain one (every norm) of ``config``."""
         super().__init__()
+        layout = layout or Eagle3Layout.from_config(config)
         h = config.hidden_size
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        # A layout without one of the two input norms leaves that path as it is.
+        self.input_layernorm = RMSNorm(h, eps) if layout.embed_norm else None
+        self.hidden_norm = RMSNorm(h, eps) if layout.hidden_norm else None
+        self.norm_before_residual = layout.norm_before_residual
         self.self_attn = LlamaAttention(
-            config, mapping, bool(getattr(config, "attention_bias", False)), False, input_size=2 * h
+            config, mapping, layout.qkv_bias, layout.qk_norm, input_size=2 * h
         )
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.mlp = LlamaMLP(h, config.intermediate_size, mapping)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = LlamaMLP(h, layout.intermediate_size or config.intermediate_size, mapping)
 
     def forward(
         self,
@@ -53,10 +71,38 @@ class Eagle3MidLayer(nn.Module):
         ``pick_rows`` when given. Returns the pre-norm output, [len(pick_rows) or T, H]."""
         if self.fast_path is not None and self.fast_path.accepts(embeds, meta):
             return self.fast_path(positions, embeds, hidden, meta, pick_rows)
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        x = self.self_attn(positions, x, meta)
+        normed = hidden if self.hidden_norm is None else self.hidden_norm(hidden)
+        if self.input_layernorm is not None:
+            embeds = self.input_layernorm(embeds)
+        # norm_before_residual (speculators): the residual is the normed hidden state.
+        residual = normed if self.norm_before_residual else hidden
+        x = self.self_attn(positions, torch.cat([embeds, normed], dim=-1), meta)
         return post_attention(self, x, residual, meta, pick_rows)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """A later draft layer of a multi-layer head: a plain pre-norm decoder layer on the first
+    layer's output stream [T, H], with its own attention (and KV cache)."""
+
+    supports_pick_rows = True
+
+    def __init__(self, config: Any, mapping: ParallelMapping, layout: Eagle3Layout) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, mapping, layout.qkv_bias, layout.qk_norm)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = LlamaMLP(h, layout.intermediate_size or config.intermediate_size, mapping)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return post_attention(self, x, hidden, meta, pick_rows)
 
 
 class Eagle3FastPath(FastDraftLayer):
@@ -147,15 +193,34 @@ class Eagle3FastPath(FastDraftLayer):
 
 
 class Eagle3Draft(DraftHead):
-    def __init__(self, config: Any, target_config: Any, mapping: ParallelMapping) -> None:
+    def __init__(
+        self,
+        config: Any,
+        target_config: Any,
+        mapping: ParallelMapping,
+        layout: Eagle3Layout | None = None,
+    ) -> None:
+        """``layout``: how the checkpoint is laid out (default: ``config.eagle3_layout``, set by
+        ``read_eagle3_config``, else the plain one-midlayer layout)."""
         super().__init__()
         self.config = config
-        h = config.hidden_size
-        target_h = int(getattr(config, "target_hidden_size", None) or target_config.hidden_size)
-        if h != target_config.hidden_size:
+        layout = (
+            layout or getattr(config, "eagle3_layout", None) or Eagle3Layout.from_config(config)
+        )
+        self.layout = layout
+        h = int(config.hidden_size)
+        target_h = int(target_config.hidden_size)
+        declared = getattr(config, "target_hidden_size", None)
+        if declared is not None and int(declared) != target_h:
             raise ValueError(
-                f"the Eagle3 draft's hidden_size ({h}) does not match the target's "
-                f"({target_config.hidden_size})"
+                f"the Eagle3 draft's target_hidden_size ({declared}) does not match the "
+                f"target's hidden_size ({target_h})"
+            )
+        if h != target_h and not layout.own_embedding:
+            raise ValueError(
+                f"the Eagle3 draft's hidden_size ({h}) differs from the target's ({target_h}) "
+                "and the checkpoint carries no embed_tokens.weight of its own: a head of "
+                "another width needs its own embedding (fc takes 3 x target_hidden_size)"
             )
         if int(config.vocab_size) != int(target_config.vocab_size):
             raise ValueError(
@@ -164,23 +229,101 @@ class Eagle3Draft(DraftHead):
             )
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
         self.fc = ReplicatedLinear(3 * target_h, h, False)
-        self.midlayer = Eagle3MidLayer(config, mapping)
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.midlayer = Eagle3MidLayer(config, mapping, layout)
+        self.later_layers = nn.ModuleList(
+            Eagle3DecoderLayer(config, mapping, layout) for _ in range(layout.num_layers - 1)
+        )
+        self.norm = RMSNorm(h, config.rms_norm_eps) if layout.final_norm else None
         self.lm_head = ParallelLMHead(self.draft_vocab_size, h, mapping.attn_mapping)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
-        self.num_layers = int(getattr(config, "num_hidden_layers", 1))
+        if layout.own_embedding:
+            # Registered (a draft parameter); ``embed_tokens`` points at it (``bind_target``).
+            self.own_embed_tokens = VocabParallelEmbedding(
+                int(config.vocab_size), h, mapping.attn_mapping
+            )
+        self.num_layers = layout.num_layers
 
     def bind_target(self, target: nn.Module) -> None:
-        """Share the target's embedding (not registered: it is not a draft parameter)."""
-        object.__setattr__(self, "embed_tokens", target.model.embed_tokens)
+        """The head's own embedding, else the target's (shared, not registered: it is not a
+        draft parameter)."""
+        own = self._modules.get("own_embed_tokens")
+        object.__setattr__(self, "embed_tokens", target.model.embed_tokens if own is None else own)
+
+    def finish_loading(
+        self, target: nn.Module, loaded: set[str], folder: str | os.PathLike
+    ) -> None:
+        """After ``load_weights``: share the target's embedding when the head's is a copy of it;
+        give the LM head the checkpoint lacks (the head's embedding when tied, else the
+        target's LM head; both need the target's vocabulary and width); check ``d2t``."""
+        own = self._modules.get("own_embed_tokens")
+        theirs = target.model.embed_tokens
+        values = not self.d2t.is_meta  # meta tensors (shape checks) hold none to compare
+        if (
+            values
+            and own is not None
+            and own.weight.shape == theirs.weight.shape
+            and torch.equal(own.weight, theirs.weight.to(own.weight.dtype))
+        ):
+            del self.own_embed_tokens  # the same rows: one copy in memory
+            self.bind_target(target)
+        vocab = int(target.config.vocab_size)
+        if "lm_head.weight" not in loaded:
+            tied = self.layout.tie_word_embeddings
+            what = "the head's embedding (tie_word_embeddings)" if tied else "the target's"
+            if self.draft_vocab_size != vocab:
+                raise ValueError(
+                    f"draft checkpoint {folder} has no lm_head.weight and its draft vocabulary "
+                    f"({self.draft_vocab_size}) differs from the target's ({vocab}), so it "
+                    f"cannot use {what}"
+                )
+            borrowed = self.embed_tokens.weight if tied else target.lm_head.weight
+            if borrowed.shape[1] != self.lm_head.weight.shape[1]:
+                raise ValueError(
+                    f"draft checkpoint {folder} has no lm_head.weight and its hidden_size "
+                    f"({self.lm_head.weight.shape[1]}) is not {what} ({borrowed.shape[1]})"
+                )
+            if borrowed.dtype != self.dtype:  # a copy in the draft's dtype
+                borrowed = nn.Parameter(borrowed.detach().to(self.dtype), requires_grad=False)
+            self.lm_head.weight = borrowed
+            loaded.add("lm_head.weight")
+        ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+        if values and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
+            raise ValueError(
+                f"draft checkpoint {folder}: its d2t maps draft ids to target ids in "
+                f"[{int(ids.min())}, {int(ids.max())}], outside the vocabulary [0, {vocab}): "
+                "d2t holds offsets (target id - draft id)"
+            )
 
     @property
     def layers(self) -> list[nn.Module]:
-        return [self.midlayer]
+        return [self.midlayer, *self.later_layers]
+
+    def forward(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        pick_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One draft step through every layer: the midlayer, then the later layers on its
+        output stream. Returns the last layer's pre-norm output."""
+        if not self.later_layers:
+            return super().forward(layer_index, positions, token_ids, hidden, meta, pick_rows)
+        if pick_rows is not None:  # ``draft_layer_picks_rows`` declines multi-layer heads
+            raise RuntimeError("a multi-layer Eagle3 head runs its layers on every row")
+        out = super().forward(layer_index, positions, token_ids, hidden, meta)
+        for layer in self.later_layers:
+            out = layer(positions, out, meta)
+        return out
 
     def enable_cpu_fast_path(self) -> str | None:
         """Give the midlayer the CPU fast path when it qualifies (the caller has loaded the
         extension); returns why not (None: enabled)."""
+        reason = self.layout.fast_path_unsupported()
+        if reason is not None:
+            return reason
         layer = self.midlayer
         weights = Eagle3FastPath.layer_weights(layer)
         reason = fast_layer_unsupported(layer.self_attn, layer.mlp, weights)
@@ -194,10 +337,10 @@ class Eagle3Draft(DraftHead):
 
     def compute_logits(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_V]."""
-        return self.lm_head.compute_logits(self.norm(hidden))
+        return self.lm_head.compute_logits(self.final_norm(layer_index, hidden))
 
     def final_norm(self, layer_index: int, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+        return hidden if self.norm is None else self.norm(hidden)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -214,16 +357,25 @@ class Eagle3Draft(DraftHead):
         return None if fast is None else partial(fast.chain, self)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Checkpoint names of every layout: ``midlayer.*`` / ``midlayer.{i}.*`` /
+        ``layers.{i}.*`` (layer 0 is ``midlayer``, layer i the later layer i - 1), an optional
+        ``model.`` prefix, the head's own ``embed_tokens``; ``t2d`` is not needed."""
+
         def rename(name: str) -> list[str] | None:
-            if name.startswith("model."):
-                name = name[len("model.") :]
-            if name in ("t2d", "embed_tokens.weight") or "rotary_emb" in name:
+            name = name.removeprefix("model.")
+            if name == "t2d" or "rotary_emb" in name:
                 return None
-            if name.startswith("layers.0."):  # some exports name the midlayer layers.0
-                name = "midlayer." + name[len("layers.0.") :]
+            if name == "embed_tokens.weight":
+                return ["own_embed_tokens.weight"] if self.layout.own_embedding else None
+            key = split_layer_key(name)
+            if key is not None:
+                _, i, rest = key
+                return [f"midlayer.{rest}" if i == 0 else f"later_layers.{i - 1}.{rest}"]
             return [name]
 
         return load_named_weights(self, weights, rename)
 
     def expected_weights(self) -> set[str]:
-        return expected_keys(self) | {"d2t"}
+        """``d2t`` only for a reduced draft vocabulary (else zeros: the identity)."""
+        reduced = self.draft_vocab_size != int(self.config.vocab_size)
+        return expected_keys(self) | ({"d2t"} if reduced else set())

@@ -191,34 +191,19 @@ def load_draft(
 ) -> nn.Module:
     """Build and load the draft head named by a ``SpeculativeConfig``, bound to ``target``."""
     from tandem.models.eagle3 import Eagle3Draft
+    from tandem.models.eagle3_layout import read_eagle3_config
     from tandem.models.mtp import MTPDraft
 
     mapping = mapping or ParallelMapping()
     target_config = target.config
     if spec.method == "eagle3":
         folder = spec.model
-        config = load_hf_config(folder)
-        archs = set(getattr(config, "architectures", None) or [])
-        if not archs & {"LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}:
-            raise ValueError(
-                f"{folder} is not an Eagle3 draft: architectures {sorted(archs)}; expected "
-                "LlamaForCausalLM or LlamaForCausalLMEagle3"
-            )
+        config = read_eagle3_config(folder)  # every public layout, or a ValueError naming it
         with default_dtype(resolve_draft_dtype(spec, dtype, device, folder)), torch.device(device):
             draft = Eagle3Draft(config, target_config, mapping)
         draft.bind_target(target)
         loaded = draft.load_weights(iterate_checkpoint(safetensors_files(folder), "loading draft"))
-        if "lm_head.weight" not in loaded:
-            if draft.draft_vocab_size != int(target_config.vocab_size):
-                raise ValueError(
-                    f"draft checkpoint {folder} has no lm_head.weight and its draft vocabulary "
-                    f"({draft.draft_vocab_size}) differs from the target's, so it cannot borrow it"
-                )
-            borrowed = target.lm_head.weight
-            if borrowed.dtype != draft.dtype:  # a copy in the draft's dtype
-                borrowed = nn.Parameter(borrowed.detach().to(draft.dtype), requires_grad=False)
-            draft.lm_head.weight = borrowed
-            loaded.add("lm_head.weight")
+        draft.finish_loading(target, loaded, folder)  # the LM head it lacks, d2t checked
         check_complete(draft, loaded, folder)
         return draft.eval()
 

@@ -505,3 +505,168 @@ def add_deepseek_mtp_layers(
     _write_state(folder, state)
     cfg["num_nextn_predict_layers"] = num_layers
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def random_eagle3_head(
+    target: Path,
+    *,
+    layers: int = 1,
+    hidden: int | None = None,
+    draft_vocab: int | None = None,
+    intermediate: int | None = None,
+    qk_norm: bool = False,
+    own_embedding: bool = False,
+    capture: tuple[int, ...] = (2, 0, 1),
+    seed: int = 7,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A random Eagle3 head for ``target``, as (tensors named ``layers.{i}.*``, ``fc``,
+    ``norm``, ``lm_head``, ``d2t``/``t2d`` for a reduced vocabulary, ``embed_tokens`` when
+    ``own_embedding``; the original-layout config fields). Norm weights are random too, so a
+    swapped or skipped tensor changes what the head drafts. ``write_eagle3_layout`` saves it
+    in any public layout."""
+    t = json.loads((target / "config.json").read_text())
+    th, vocab = t["hidden_size"], t["vocab_size"]
+    h = hidden or th
+    heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
+    hd = t.get("head_dim") or th // heads
+    inter = intermediate or t["intermediate_size"]
+    dv = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    state: dict[str, torch.Tensor] = {"fc.weight": rnd(h, 3 * th)}
+    for i in range(layers):
+        p, width = f"layers.{i}.", 2 * h if i == 0 else h
+        state[p + "input_layernorm.weight"] = norm(h)
+        if i == 0:
+            state[p + "hidden_norm.weight"] = norm(h)
+        state[p + "self_attn.q_proj.weight"] = rnd(heads * hd, width)
+        state[p + "self_attn.k_proj.weight"] = rnd(kv * hd, width)
+        state[p + "self_attn.v_proj.weight"] = rnd(kv * hd, width)
+        state[p + "self_attn.o_proj.weight"] = rnd(h, heads * hd)
+        if qk_norm:
+            state[p + "self_attn.q_norm.weight"] = norm(hd)
+            state[p + "self_attn.k_norm.weight"] = norm(hd)
+        state[p + "post_attention_layernorm.weight"] = norm(h)
+        state[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        state[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        state[p + "mlp.down_proj.weight"] = rnd(h, inter)
+    state["norm.weight"] = norm(h)
+    state["lm_head.weight"] = rnd(dv, h)
+    if dv < vocab:
+        chosen = sorted(torch.randperm(vocab, generator=g)[:dv].tolist())
+        state["d2t"] = torch.tensor(chosen) - torch.arange(dv)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[chosen] = True
+        state["t2d"] = t2d
+    if own_embedding:
+        state["embed_tokens.weight"] = rnd(vocab, h) * 4
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "qwen3" if qk_norm else "llama",
+        "hidden_size": h,
+        "target_hidden_size": th,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "draft_vocab_size": dv,
+        "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rope_theta": (t.get("rope_parameters") or {}).get(
+            "rope_theta", t.get("rope_theta", 10000.0)
+        ),
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(capture)},
+    }
+    return state, cfg
+
+
+def write_eagle3_layout(
+    folder: Path,
+    state: dict[str, torch.Tensor],
+    cfg: dict[str, Any],
+    layout: str,
+    *,
+    norm_before_residual: bool = False,
+) -> Path:
+    """Save a ``random_eagle3_head`` (tensors, config) in one public layout:
+
+    - ``eagle3``: EAGLE3 / SpecForge, ``midlayer.*`` (one layer);
+    - ``layers``: ``layers.{i}.*``, LlamaForCausalLMEagle3 config;
+    - ``modelopt``: NVIDIA ModelOpt export, ``architectures: ["LlamaForCausalLM"]``, nested
+      ``eagle_config`` flags (from which norms ``state`` holds), ``midlayer.*`` for one layer,
+      ``midlayer.{i}.*`` for several;
+    - ``speculators``: ``Eagle3Speculator``, the layer config nested in
+      ``transformer_layer_config``, top-level capture ids counted as vLLM does (+1)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    n = int(cfg["num_hidden_layers"])
+    ids = list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+    def layer_prefix(i: int) -> str:
+        if layout == "eagle3" or (layout == "modelopt" and n == 1):
+            return "midlayer."
+        return f"midlayer.{i}." if layout == "modelopt" else f"layers.{i}."
+
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            name = layer_prefix(int(i)) + rest
+        out[name] = value.contiguous()
+    if layout == "eagle3" and n != 1:
+        raise ValueError("the midlayer layout holds one layer")
+    config = dict(cfg)
+    if layout == "modelopt":
+        config["architectures"] = ["LlamaForCausalLM"]
+        first = {k.split(".", 2)[2] for k in state if k.startswith("layers.0.")}
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": {
+                "input_layernorm.weight",
+                "hidden_norm.weight",
+            }
+            <= first,
+            "use_last_layernorm": "norm.weight" in state,
+            "use_mtp_layernorm": False,
+            "next_layer_regular": True,
+            "parallel_draft_step": 1,
+            "parallel_draft_heads_num_layers": 1,
+        }
+    elif layout == "speculators":
+        layer = {
+            k: v
+            for k, v in cfg.items()
+            if k not in ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
+        }
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.3.0",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": cfg["draft_vocab_size"],
+            "target_hidden_size": cfg.get("target_hidden_size"),
+            "norm_before_residual": norm_before_residual,
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "verifier": {"name_or_path": "target", "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+    elif layout not in ("eagle3", "layers"):
+        raise ValueError(f"unknown layout {layout!r}")
+    save_file(out, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
