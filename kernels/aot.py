@@ -293,6 +293,18 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
                 empty(local, f["hidden"], f["moe_inter"]), empty(t, f["top_k"], dt=torch.float32),
                 ints(t, f["top_k"]), 0, use_triton=True,
             )  # fmt: skip
+            if "fp8_block" in f:  # the released weights: FP8 experts
+                h, i, (bn, bk) = f["hidden"], f["moe_inter"], f["fp8_block"]
+                yield f"FP8 experts T={t}", lambda t=t, h=h, i=i, bn=bn, bk=bk: moe_experts(
+                    empty(t, h), empty(local, 2 * i, h, dt=torch.float8_e4m3fn),
+                    empty(local, h, i, dt=torch.float8_e4m3fn),
+                    empty(t, f["top_k"], dt=torch.float32), ints(t, f["top_k"]), 0,
+                    fp8_scales=(
+                        empty(local, -(-2 * i // bn), -(-h // bk), dt=torch.float32),
+                        empty(local, -(-h // bn), -(-i // bk), dt=torch.float32), (bn, bk),
+                    ),
+                    use_triton=True,
+                )  # fmt: skip
     b = shape.max_num_seqs
     if "fp8_block" in f:
         bn, bk = f["fp8_block"]
@@ -506,14 +518,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         variants = [v for v in variants if v.kernel in args.kernels]
         failures = [f for f in failures if any(k in f["kernel"] for k in args.kernels)]
-    chosen = subset(variants) if args.subset else variants
     targets = args.targets or supported_targets()
     rows: list[dict[str, Any]] = []
+    chosen: list[Variant] = []
     for cc in targets:
+        mine = [v for v in variants if cc >= min_capability(v)]
+        mine = subset(mine) if args.subset else mine
+        chosen += [v for v in mine if v not in chosen]
         # A cache per target: nothing compiled for one target is reused for another.
         with tempfile.TemporaryDirectory(prefix=f"tandem-aot-sm{cc}-") as cache:
             os.environ["TRITON_CACHE_DIR"] = cache
-            rows += [compile_variant(v, cc) for v in chosen if cc >= min_capability(v)]
+            rows += [compile_variant(v, cc) for v in mine]
     rows += [{**f, "target": "-", "registers": None, "spill_bytes": None,
               "shared_bytes": None, "ok": False} for f in failures]  # fmt: skip
 

@@ -28,6 +28,7 @@ __all__ = [
     "FP8_MIN_CAPABILITY",
     "fp8_block_gemm",
     "fp8_block_gemm_reference",
+    "fp8_gemm_block_unsupported",
     "fp8_linear",
     "quantize_per_token_group",
     "quantize_per_token_group_reference",
@@ -35,6 +36,7 @@ __all__ = [
 
 FP8_MAX = 448.0
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
+FP8_MIN_BLOCK_K = 32  # an FP8 tl.dot needs K >= 32
 _EPS = 1e-10  # the smallest amax a group is scaled by (an all-zero group stays zero)
 
 
@@ -81,13 +83,22 @@ def fp8_block_gemm_reference(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_block(block: tuple[int, int]) -> None:
-    bn, bk = block
-    if bk < 16 or bk & (bk - 1) or bn < 1:
-        raise ValueError(
-            f"FP8 GEMM on the GPU: weight_block_size {list(block)} needs a column block that is "
-            "a power of two of at least 16"
+def fp8_gemm_block_unsupported(block: tuple[int, int]) -> str | None:
+    """Why the Triton FP8 kernels cannot take weights in ``block`` (None: they can): a K step
+    is one scale block's columns, and an FP8 ``tl.dot`` needs K >= 32, a power of two."""
+    bk = block[1]
+    if bk < FP8_MIN_BLOCK_K or bk & (bk - 1):
+        return (
+            f"weight_block_size {list(block)}: FP8 GEMMs need column blocks that are a power of "
+            f"two of at least {FP8_MIN_BLOCK_K}"
         )
+    return None
+
+
+def _check_block(block: tuple[int, int]) -> None:
+    why = fp8_gemm_block_unsupported(block)
+    if why is not None:
+        raise ValueError(f"FP8 GEMM on the GPU: {why}")
 
 
 def quantize_per_token_group(
@@ -191,6 +202,15 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * stride_x + k, mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-10) / 448.0
         q = tl.clamp(x / scale, -448.0, 448.0)
+        # Round to the nearest float8_e4m3fn value (ties to even) in float32, so the cast is
+        # exact on every backend (the Triton interpreter's own cast rounds ties up and loses the
+        # carry out of the mantissa): adding 2^(E + 20), whose float32 spacing is e4m3's
+        # 2^(E - 3) at exponent E (E >= -6: subnormals share 2^-6's spacing), rounds there.
+        mag = tl.abs(q)
+        e = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)
+        magic = ((e + 20) << 23).to(tl.float32, bitcast=True)
+        mag = (mag + magic) - magic
+        q = tl.where(q < 0, -mag, mag)
         tl.store(q_ptr + row * stride_q + k, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row * stride_s + g, scale)
 

@@ -93,6 +93,41 @@ def moe_experts_reference(
     return out.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
 
+def moe_experts_fp8_reference(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor,
+    s2: Tensor,
+    block: tuple[int, int],
+    weights: Tensor,
+    ids: Tensor,
+    first_expert: int = 0,
+) -> Tensor:
+    """The FP8 expert compute as the kernel defines it: block-scaled FP8 ``w13`` / ``w2``, the
+    tokens and the gated activations quantized per token and group of ``block[1]`` channels
+    (``kernels.fp8``), float32 products. [T, H] in x's dtype."""
+    from tandem.kernels.fp8 import fp8_block_gemm_reference, quantize_per_token_group_reference
+
+    num_tokens, top_k = ids.shape
+    inter = w2.shape[2]
+    q_x, s_x = quantize_per_token_group_reference(x, block[1])
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(num_tokens):
+        for j in range(top_k):
+            e = int(ids[t, j]) - first_expert
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = fp8_block_gemm_reference(
+                q_x[t : t + 1], s_x[t : t + 1], w13[e], s13[e], block, torch.float32
+            )
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            q_a, s_a = quantize_per_token_group_reference(act, block[1])
+            down = fp8_block_gemm_reference(q_a, s_a, w2[e], s2[e], block, torch.float32)
+            out[t] += down[0] * weights[t, j].float()
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
@@ -146,15 +181,21 @@ def moe_experts(
     ids: Tensor,
     first_expert: int = 0,
     *,
+    fp8_scales: tuple[Tensor, Tensor, tuple[int, int]] | None = None,
     use_triton: bool | None = None,
 ) -> Tensor:
     """Grouped expert compute (see the module docstring); ``use_triton=None`` picks Triton on
-    CUDA and the per-expert PyTorch loop elsewhere."""
+    CUDA and the per-expert PyTorch loop elsewhere. ``fp8_scales``: (w13 scales, w2 scales,
+    block) for float8_e4m3fn ``w13`` / ``w2`` (``moe_experts_fp8_reference``)."""
     if w13.shape[1] != 2 * w2.shape[2] or w13.shape[2] != x.shape[1] != w2.shape[1]:
         raise ValueError(
             f"expert weights do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
             f"w2 {tuple(w2.shape)}"
         )
+    if fp8_scales is not None:
+        if _use_triton(use_triton, x):
+            return _moe_experts_triton(x, w13, w2, weights, ids, first_expert, fp8_scales)
+        return moe_experts_fp8_reference(x, w13, w2, *fp8_scales, weights, ids, first_expert)
     if _use_triton(use_triton, x):
         return _moe_experts_triton(x, w13, w2, weights, ids, first_expert)
     return moe_experts_reference(x, w13, w2, weights, ids, first_expert)
@@ -221,13 +262,19 @@ if HAS_TRITON:
         num_pairs: tl.tensor, N: tl.tensor, K: tl.tensor,
         stride_a: tl.tensor, stride_we: tl.tensor, stride_wn: tl.tensor, stride_out: tl.tensor,
         w_offset: tl.tensor,
+        as_ptr: tl.tensor, ws_ptr: tl.tensor, stride_as: tl.tensor, stride_wse: tl.tensor,
+        stride_wsn: tl.tensor,
         TOP_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, UPCAST: tl.constexpr,
     ) -> None:  # fmt: skip
         # Program = (block of BLOCK_M (token, slot) pairs routed to one expert, BLOCK_N outputs).
         # GATED: out = silu(A @ W[n].T) * (A @ W[w_offset + n].T) (gate and up rows of w13);
         # WEIGHTED: out = (A @ W[n].T) * pair weight. A rows: the pair's token (A_BY_TOKEN) or
-        # the pair itself; out rows: the pair.
+        # the pair itself; out rows: the pair. FP8: A and W are float8 with scales per (A row,
+        # K block) and per (W block of GROUP_N rows, K block); BLOCK_K is the K block, and each
+        # step's product is scaled before it is accumulated (UPCAST: float32 operands, for the
+        # interpreter).
         b = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
         expert = tl.load(block_expert_ptr + b).to(tl.int64)
@@ -248,12 +295,35 @@ if HAS_TRITON:
                             mask=row_valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
                 w_mask = n_valid[:, None] & k_valid[None, :]
                 w = tl.load(w_base + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                if FP8:
+                    kb = k0 // GROUP_K
+                    sa = tl.load(as_ptr + a_row * stride_as + kb, mask=row_valid, other=0.0)
+                    ws_base = ws_ptr + expert * stride_wse + kb
+                    sw = tl.load(ws_base + (n // GROUP_N) * stride_wsn, mask=n_valid, other=0.0)
+                    if UPCAST:
+                        part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
+                                      input_precision="ieee")  # fmt: skip
+                    else:
+                        part = tl.dot(a, tl.trans(w))
+                    acc += part * sa[:, None] * sw[None, :]
+                else:
+                    acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
+                                  input_precision="ieee")  # fmt: skip
                 if GATED:
                     w_up = tl.load(w_base + (w_offset + n)[:, None] * stride_wn + k[None, :],
                                    mask=w_mask, other=0.0)  # fmt: skip
-                    acc_up += tl.dot(a.to(tl.float32), tl.trans(w_up.to(tl.float32)),
-                                     input_precision="ieee")  # fmt: skip
+                    if FP8:
+                        sw_up = tl.load(ws_base + ((w_offset + n) // GROUP_N) * stride_wsn,
+                                        mask=n_valid, other=0.0)  # fmt: skip
+                        if UPCAST:
+                            part_up = tl.dot(a.to(tl.float32), tl.trans(w_up.to(tl.float32)),
+                                             input_precision="ieee")  # fmt: skip
+                        else:
+                            part_up = tl.dot(a, tl.trans(w_up))
+                        acc_up += part_up * sa[:, None] * sw_up[None, :]
+                    else:
+                        acc_up += tl.dot(a.to(tl.float32), tl.trans(w_up.to(tl.float32)),
+                                         input_precision="ieee")  # fmt: skip
             if GATED:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             if WEIGHTED:
@@ -320,7 +390,13 @@ def moe_align_blocks(
 
 
 def _moe_experts_triton(
-    x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor, first_expert: int
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    first_expert: int,
+    fp8_scales: tuple[Tensor, Tensor, tuple[int, int]] | None = None,
 ) -> Tensor:
     num_tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -341,16 +417,36 @@ def _moe_experts_triton(
     options = {"num_warps": 8} if x.is_cuda else {}
     gate_n = block_n // 2 if x.is_cuda else block_n
     num_blocks = block_expert.shape[0]
+    a, s_a, s13, s2, group_n, group_k = x, x, x, x, 1, 1  # (unused without FP8)
+    fp8 = fp8_scales is not None
+    if fp8:
+        from tandem.kernels.fp8 import _check_block, quantize_per_token_group
+
+        s13, s2, (group_n, group_k) = fp8_scales
+        _check_block((group_n, group_k))
+        # K steps inside a scale block: a whole 128-wide block spills the gated GEMM (gpu-aot).
+        block_k = min(group_k, 64 if x.is_cuda else 16)
+        if group_k % block_k:
+            raise ValueError(f"FP8 experts: K blocks of {group_k} are not a multiple of {block_k}")
+        a, s_a = quantize_per_token_group(x, group_k, use_triton=True)
+    upcast = not x.is_cuda
     _launch(
         _moe_gemm_kernel, (num_blocks, triton.cdiv(inter, gate_n)), x.device,
-        x, w13, act, sorted_pairs, block_expert, pair_w, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
-        top_k, True, False, True, block_m, gate_n, block_k, **options,
+        a, w13, act, sorted_pairs, block_expert, pair_w, num_pairs, inter, hidden,
+        a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
+        s_a, s13, s_a.stride(0), s13.stride(0), s13.stride(1),
+        top_k, True, False, True, block_m, gate_n, block_k, fp8, group_n, group_k, upcast,
+        **options,
     )  # fmt: skip
+    a, s_a = act, act
+    if fp8:
+        a, s_a = quantize_per_token_group(act, group_k, use_triton=True)
     _launch(
         _moe_gemm_kernel, (num_blocks, triton.cdiv(hidden, block_n)), x.device,
-        act, w2, out_pairs, sorted_pairs, block_expert, pair_w, num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0), 0,
-        top_k, False, True, False, block_m, block_n, block_k, **options,
+        a, w2, out_pairs, sorted_pairs, block_expert, pair_w, num_pairs, hidden, inter,
+        a.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0), 0,
+        s_a, s2, s_a.stride(0), s2.stride(0), s2.stride(1),
+        top_k, False, True, False, block_m, block_n, block_k, fp8, group_n, group_k, upcast,
+        **options,
     )  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)

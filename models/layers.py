@@ -362,6 +362,11 @@ class LinearBase(nn.Module):
     # Set where the CPU fast path runs the layer: its packed copy of the weight
     # (``kernels.cpu_decode.pack``), read by the eager forward too (no oneDNN copy then).
     fast_weight: torch.Tensor | None = None
+    # FP8 weights kept as FP8 (``models.quantization.keep_fp8_weights``): the block size, and
+    # the ``weight_scale_inv`` buffer beside the float8 weight. ``fp8_allowed`` False: the
+    # layer's weight is read directly (MLA's kv_b_proj), so it stays in the model's dtype.
+    fp8_allowed: bool = True
+    fp8_block: tuple[int, int] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -378,9 +383,80 @@ class LinearBase(nn.Module):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        copy_checked(param, read_loaded(loaded))
+        self.copy_rows(param, loaded, None)
+
+    # ------------------------------------------------------------------ FP8 weights
+
+    def fp8_shard_starts(self) -> tuple[list[int], list[int]]:
+        """Row and column offsets (in the checkpoint and in this rank's weight) where the
+        loaders cut the weight: each must fall on a block boundary to keep it FP8."""
+        return [], []
+
+    def fp8_fits(self, block: tuple[int, int]) -> bool:
+        rows, cols = self.fp8_shard_starts()
+        return all(r % block[0] == 0 for r in rows) and all(c % block[1] == 0 for c in cols)
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        n, k = self.weight.shape
+        self.dense_dtype = self.weight.dtype
+        self.weight = set_loader(
+            nn.Parameter(
+                torch.empty(n, k, dtype=torch.float8_e4m3fn, device=self.weight.device),
+                requires_grad=False,
+            ),
+            self.weight_loader,
+        )
+        grid = (-(-n // block[0]), -(-k // block[1]))
+        self.register_buffer(
+            "weight_scale_inv", torch.zeros(grid, device=self.weight.device), persistent=False
+        )
+        self.fp8_block = block
+
+    def _fp8_to_dense(self) -> None:
+        """Back to the model's dtype (a checkpoint that did not quantize this layer); what was
+        loaded as FP8 already is dequantized exactly as the weight-only path does."""
+        from tandem.models.quantization import dequantize_fp8_blockwise
+
+        assert self.fp8_block is not None
+        dense = dequantize_fp8_blockwise(
+            self.weight.data, self.weight_scale_inv, self.fp8_block, self.dense_dtype
+        )
+        self.weight = set_loader(nn.Parameter(dense, requires_grad=False), self.weight_loader)
+        del self.weight_scale_inv
+        self.fp8_block = None
+
+    def copy_rows(
+        self, param: nn.Parameter, loaded: Any, dim: int | None, start: int = 0, size: int = 0,
+        dst_row: int = 0,
+    ) -> None:  # fmt: skip
+        """Copy ``[start, start + size)`` along ``dim`` of a checkpoint tensor (None: all of
+        it) into ``param`` from row ``dst_row`` on: its FP8 values and scale blocks where this
+        layer keeps FP8 weights, else the (dequantized) values in the parameter's dtype."""
+        from tandem.models.quantization import DequantizedWeight
+
+        if param is self.weight and self.fp8_block is not None:
+            if isinstance(loaded, DequantizedWeight) and loaded.block == self.fp8_block:
+                q, scale = loaded.raw(dim, start, size)
+                rows = param.shape[0] if dim is None else q.shape[0]
+                if dst_row % self.fp8_block[0]:
+                    raise ValueError("an FP8 shard must start on a block boundary")
+                copy_checked(param.data[dst_row : dst_row + rows], q)
+                first = dst_row // self.fp8_block[0]
+                copy_checked(self.weight_scale_inv[first : first + scale.shape[0]], scale, "scales")
+                return
+            self._fp8_to_dense()
+            param = self.weight
+        value = read_loaded(loaded) if dim is None else narrow_loaded(loaded, dim, start, size)
+        if dim is None or dim == 1:
+            copy_checked(param, value)
+        else:
+            copy_checked(param.data[dst_row : dst_row + size], value)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_block is not None:
+            from tandem.kernels.fp8 import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
         if (
             self.fast_weight is not None
             and bias is None
@@ -418,7 +494,14 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(
                 f"shape mismatch: checkpoint has {shape}, expected dim 0 = {size * self.tp}"
             )
-        copy_checked(param, narrow_loaded(loaded, 0, self.mapping.tp_rank * size, size))
+        if len(shape) > 1 and shape[1] != param.shape[1]:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {shape}, expected {tuple(param.shape)}"
+            )
+        self.copy_rows(param, loaded, 0, self.mapping.tp_rank * size, size)
+
+    def fp8_shard_starts(self) -> tuple[list[int], list[int]]:
+        return [self.mapping.tp_rank * self.weight.shape[0]], []
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -442,8 +525,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 f"shape mismatch: checkpoint has {shape}, expected "
                 f"({self.output_sizes[idx]}, {param.shape[1] if param.dim() > 1 else ''})"
             )
-        value = narrow_loaded(loaded, 0, self.mapping.tp_rank * local, local)
-        param.data[offset : offset + local].copy_(value.to(param.dtype))
+        self.copy_rows(param, loaded, 0, self.mapping.tp_rank * local, local, offset)
+
+    def fp8_shard_starts(self) -> tuple[list[int], list[int]]:
+        rows = []
+        for i, size in enumerate(self.output_sizes):
+            local = size // self.tp
+            rows += [sum(self.output_sizes[:i]) // self.tp, self.mapping.tp_rank * local]
+        return rows, []
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -483,9 +572,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         shape = loaded_shape(loaded)
         if shape[0] != total or (len(shape) > 1 and shape[1] != param.shape[1]):
             raise ValueError(f"shape mismatch for {shard_id}_proj: checkpoint has {shape}")
-        param.data[offset : offset + size].copy_(
-            narrow_loaded(loaded, 0, start, size).to(param.dtype)
-        )
+        self.copy_rows(param, loaded, 0, start, size, offset)
+
+    def fp8_shard_starts(self) -> tuple[list[int], list[int]]:
+        rank, d = self.mapping.tp_rank, self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_start = (rank // self.kv_replicas) * kv_size
+        return [0, q_size, q_size + kv_size, rank * q_size, kv_start], []
 
 
 class RowParallelLinear(LinearBase):
@@ -514,7 +607,10 @@ class RowParallelLinear(LinearBase):
             raise ValueError(
                 f"shape mismatch: checkpoint has {shape}, expected ({param.shape[0]}, {size * self.tp})"
             )
-        copy_checked(param, narrow_loaded(loaded, 1, self.mapping.tp_rank * size, size))
+        self.copy_rows(param, loaded, 1, self.mapping.tp_rank * size, size)
+
+    def fp8_shard_starts(self) -> tuple[list[int], list[int]]:
+        return [], [self.mapping.tp_rank * self.weight.shape[1]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x, None)

@@ -15,8 +15,15 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from tandem.kernels.fp8 import fp8_gemm_block_unsupported
 from tandem.models.parallel import ParallelMapping
-from tandem.models.quantization import dequantize_fp8, fp8_scheme, read_scales
+from tandem.models.quantization import (
+    dequantize_fp8,
+    fp8_compute_unavailable,
+    fp8_scheme,
+    keep_fp8_weights,
+    read_scales,
+)
 from tandem.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -100,6 +107,27 @@ def checkpoint_weights(
     return dequantize_fp8(weights, scheme, scales, str(files[0].parent))
 
 
+def keep_fp8(model: nn.Module, config: Any, device: torch.device, where: str) -> int:
+    """Where FP8 GEMMs run (``fp8_compute_unavailable``), the block-quantized layers of an FP8
+    checkpoint keep their weights in FP8 (1 byte each, plus a float32 scale per block) and
+    quantize activations per token at run time; elsewhere the loader dequantizes them to the
+    model's dtype (weight-only). Says which in the log. Returns how many layers keep FP8."""
+    scheme = fp8_scheme(config)
+    if scheme is None:
+        return 0
+    reason = fp8_compute_unavailable(device)
+    if reason is None and scheme.block is None:
+        reason = "per-tensor FP8 weights are not kept as FP8"
+    if reason is None:
+        reason = fp8_gemm_block_unsupported(scheme.block)
+    if reason is not None:
+        logger.info("%s: FP8 weights dequantized at load (%s)", where, reason)
+        return 0
+    n = keep_fp8_weights(model, scheme.block)
+    logger.info("%s: FP8 weights kept as FP8 in %d layers (blocks %s)", where, n, scheme.block)
+    return n
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -131,6 +159,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     with default_dtype(torch_dtype), torch.device(device):
         model = cls(config, mapping or ParallelMapping())
+    keep_fp8(model, config, torch.device(device), str(path))
     loaded = model.load_weights(checkpoint_weights(safetensors_files(path), config))
     check_complete(model, loaded, path)
     model.eval()
@@ -249,6 +278,7 @@ def load_draft(
                 bool(type(target).qk_norm),
             )
     draft.bind_target(target)
+    keep_fp8(draft, config, torch.device(device), str(folder))
     loaded = draft.load_weights(checkpoint_weights(files, config, "loading MTP"), first, available)
     check_complete(draft, loaded, folder)
     d2t = find_tensor(files, "d2t")

@@ -133,6 +133,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, total_heads * (self.nope_dim + self.v_dim), False, mapping
         )
+        self.kv_b_proj.fp8_allowed = False  # read as per-head matrices (the absorbed form)
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, h, bias, mapping)
         self.rotary_emb = get_rope(
             self.rope_dim,

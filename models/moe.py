@@ -91,24 +91,90 @@ class RoutedExperts(nn.Module):
             self.weight_loader,
         )
 
+    fp8_allowed = True
+    fp8_block: tuple[int, int] | None = None  # set by ``to_fp8``: weights stored as FP8
+
+    def fp8_fits(self, block: tuple[int, int]) -> bool:
+        return self.inter % block[0] == 0  # the up rows of w13 start on a block
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Store ``w13`` / ``w2`` as float8_e4m3fn with their block scales (``w13_scale_inv``
+        [E, 2I/bn, ceil(H/bk)], ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)])."""
+        self.dense_dtype = self.w13.dtype
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            e, n, k = old.shape
+            fp8 = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=old.device)
+            setattr(
+                self, name, set_loader(nn.Parameter(fp8, requires_grad=False), self.weight_loader)
+            )
+            grid = (e, -(-n // block[0]), -(-k // block[1]))
+            self.register_buffer(
+                f"{name}_scale_inv", torch.zeros(grid, device=old.device), persistent=False
+            )
+        self.fp8_block = block
+
+    def _fp8_to_dense(self) -> None:
+        from tandem.models.quantization import dequantize_fp8_blockwise
+
+        assert self.fp8_block is not None
+        for name in ("w13", "w2"):
+            q, scale = getattr(self, name).data, getattr(self, f"{name}_scale_inv")
+            dense = torch.stack(
+                [dequantize_fp8_blockwise(q[e], scale[e], self.fp8_block, self.dense_dtype)
+                 for e in range(q.shape[0])]
+            )  # fmt: skip
+            setattr(
+                self, name, set_loader(nn.Parameter(dense, requires_grad=False), self.weight_loader)
+            )
+            delattr(self, f"{name}_scale_inv")
+        self.fp8_block = None
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """``shard_id``: (local expert, 0 = gate | 1 = up) for w13, the local expert for w2, or
         "all" for a fused [E, ...] tensor of every expert (this rank reads its range)."""
+        from tandem.models.quantization import DequantizedWeight
+
+        name = "w13" if param is self.w13 else "w2"
+        if self.fp8_block is not None:
+            if not (isinstance(loaded, DequantizedWeight) and loaded.block == self.fp8_block):
+                self._fp8_to_dense()
+                param = getattr(self, name)
+        fp8 = self.fp8_block is not None
         if shard_id == "all":
             shape = loaded_shape(loaded)
             if shape[1:] != tuple(param.shape[1:]):
                 raise ValueError(f"shape mismatch: checkpoint has {shape}")
-            value = loaded[self.first_expert : self.first_expert + self.num_local]
-            copy_checked(param, value)
+            first, n = self.first_expert, self.num_local
+            if fp8:
+                q, scale = loaded.raw(0, first, n)
+                copy_checked(param, q)
+                copy_checked(getattr(self, f"{name}_scale_inv"), scale, "scales")
+                return
+            copy_checked(param, loaded[first : first + n])
             return
-        if param is self.w13:
+        if name == "w13":
             local, part = shard_id
-            dst = param.data[local, part * self.inter : (part + 1) * self.inter]
+            rows = slice(part * self.inter, (part + 1) * self.inter)
         else:
-            dst = param.data[shard_id]
-        copy_checked(dst, read_loaded(loaded))
+            local, rows = shard_id, slice(None)
+        if fp8:
+            q, scale = loaded.raw(None)
+            copy_checked(param.data[local, rows], q)
+            bn = self.fp8_block[0]
+            scale_rows = (
+                slice(None) if rows == slice(None) else slice(rows.start // bn, rows.stop // bn)
+            )
+            copy_checked(getattr(self, f"{name}_scale_inv")[local, scale_rows], scale, "scales")
+            return
+        copy_checked(param.data[local, rows], read_loaded(loaded))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            return moe_experts(
+                x, self.w13, self.w2, weights, ids, self.first_expert,
+                fp8_scales=(self.w13_scale_inv, self.w2_scale_inv, self.fp8_block),
+            )  # fmt: skip
         return moe_experts(x, self.w13, self.w2, weights, ids, self.first_expert)
 
 

@@ -155,6 +155,59 @@ class DequantizedWeight:
         lead = tuple(slice(a, b) for a, b in ranges[:-2])
         return q * expand_block_scales(self.scale[lead], ranges[-2], ranges[-1], self.block)
 
+    def raw(
+        self, dim: int | None, start: int = 0, size: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored FP8 values and their scale blocks for ``[start, start + size)`` along
+        ``dim`` of the last two (None: all; dim 0 of a 3-D tensor: experts), for a layer that
+        keeps FP8 weights; the slice must start on a block boundary."""
+        if dim is None:
+            return self.data[:], self.scale
+        if self.block is None:
+            raise ValueError(f"{self.name}: per-tensor FP8 weights are not kept as FP8")
+        nd = len(self.shape)
+        if nd == 3 and dim == 0:
+            return self.data[start : start + size], self.scale[start : start + size]
+        axis = dim + nd - 2  # a row or column of the last two dims
+        unit = self.block[axis - (nd - 2)]
+        if start % unit:
+            raise ValueError(f"{self.name}: slice at {start} does not start on an FP8 block")
+        index = [slice(None)] * nd
+        index[axis] = slice(start, start + size)
+        scale_index = [slice(None)] * nd
+        scale_index[axis] = slice(start // unit, -(-(start + size) // unit))
+        return self.data[tuple(index)], self.scale[tuple(scale_index)]
+
+
+def fp8_compute_unavailable(device: torch.device) -> str | None:
+    """Why weights cannot stay FP8 on ``device`` (None: they can): FP8 GEMMs need the GPU
+    paths, Triton and FP8 tensor cores (compute capability 8.9)."""
+    from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
+    from tandem.kernels.paged_attention import FORCE_GPU_PATHS, HAS_TRITON, gpu_paths
+
+    if not gpu_paths(device):
+        return "a CPU computes with dequantized weights"
+    if not HAS_TRITON:
+        return "Triton is not installed"
+    if device.type == "cuda" and not FORCE_GPU_PATHS:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < FP8_MIN_CAPABILITY:
+            return f"this GPU (sm_{cap[0]}{cap[1]}) has no FP8 tensor cores (sm_89 and newer)"
+    return None
+
+
+def keep_fp8_weights(model: torch.nn.Module, block: tuple[int, int]) -> int:
+    """Make every layer of ``model`` that can (``fp8_fits``: its TP shards start on whole
+    blocks; ``fp8_allowed``) store its weight as FP8 with its block scales, before loading. A
+    layer whose checkpoint weight then turns out not to be FP8 goes back to its dtype. Returns
+    how many layers were switched."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "fp8_allowed", False) and m.fp8_fits(block):
+            m.to_fp8(block)
+            n += 1
+    return n
+
 
 def _stored_fp8(tensor: Any) -> bool:
     if isinstance(tensor, torch.Tensor):

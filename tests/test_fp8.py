@@ -43,7 +43,7 @@ def _reference_dequantize(q: torch.Tensor, scale: torch.Tensor, block: list[int]
     padded = torch.zeros(gn * bn, gk * bk)
     padded[:n, :k] = q.float()
     out = padded.view(gn, bn, gk, bk) * scale.view(gn, 1, gk, 1)
-    return out.view(gn * bn, gk * bk)[:n, :k]
+    return out.view(gn * bn, gk * bk)[:n, :k].contiguous()
 
 
 def quantize_checkpoint(src: Path, dst: Path, block: list[int] | None) -> Path:
@@ -70,7 +70,7 @@ def quantize_checkpoint(src: Path, dst: Path, block: list[int] | None) -> Path:
             # a block read with its neighbour's scale changes the result.
             shift = torch.exp2(torch.randint(0, 4, scale.shape, generator=g).float())
             q = (q.float() / _reference_dequantize(torch.ones_like(q), shift, block)).to(q.dtype)
-            out[name], out[name + "_scale_inv"] = q, scale * shift
+            out[name], out[name + "_scale_inv"] = q.contiguous(), scale * shift
     save_file(out, str(files[0]), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -280,3 +280,149 @@ def test_fp8_checkpoints_we_cannot_read_exactly_are_refused(dsv3: Path, root: Pa
         bad = _edit(fp8, root / f"bad-{name}", config, drop)
         with pytest.raises(ValueError, match=message):
             LLM(str(bad), dtype="float32")
+
+
+# ----------------------------------------------------------------------------- weights kept FP8
+
+_RESIDENT = r"""
+import json, sys
+import torch
+from safetensors.torch import load_file
+from tandem import LLM, SamplingParams
+from tandem.models.quantization import dequantize_fp8_blockwise
+
+fp8, twin = sys.argv[1], sys.argv[2]
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+spec = {"method": "mtp", "num_speculative_tokens": 2}
+with LLM(fp8, dtype="float32", speculative_config=spec, max_num_batched_tokens=32) as llm:
+    worker = llm.engine.executor.worker
+    state = load_file(next(__import__("pathlib").Path(twin).glob("*.safetensors")).as_posix())
+    kept, fp8_bytes, mismatched, compared = [], 0, [], []
+    for root, model in (("", worker.model), ("mtp.", worker.runner.spec.draft)):
+        for name, m in model.named_modules():
+            if getattr(m, "fp8_block", None) is None:
+                continue
+            kept.append(root + name)
+            if hasattr(m, "w13"):
+                fp8_bytes += m.w13.numel() * m.w13.element_size() + m.w2.numel() * m.w2.element_size()
+                continue
+            fp8_bytes += m.weight.numel() * m.weight.element_size()
+            ckpt = name + ".weight"
+            if root:  # the MTP layer's names in the checkpoint
+                ckpt = ckpt.replace("mtp_layers.0.", "model.layers.2.", 1)
+            if ckpt in state:
+                compared.append(ckpt)
+                w = dequantize_fp8_blockwise(m.weight, m.weight_scale_inv, m.fp8_block, torch.float32)
+                if not torch.equal(w, state[ckpt]):
+                    mismatched.append(ckpt)
+    outs = llm.generate([[5, 6, 7], list(range(40, 60))], params)
+print(json.dumps({
+    "kept": kept, "fp8_bytes": fp8_bytes, "mismatched": mismatched, "compared": compared,
+    "tokens": [o.outputs[0].token_ids for o in outs],
+    "logprobs": [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs],
+    "kv_b": str(worker.model.model.layers[0].self_attn.kv_b_proj.weight.dtype),
+}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_gpu_paths_keep_fp8_weights_and_quantize_activations(dsv3: Path, root: Path) -> None:
+    """Where FP8 GEMMs run (here: the GPU code paths forced on a CPU, Triton through the
+    interpreter), the quantized linears and experts of target and MTP layer keep FP8 weights
+    whose dequantized values are the checkpoint's, and generation (activations quantized per
+    token) stays close to the weight-only run."""
+    import os
+    import subprocess
+    import sys
+
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-kept", [32, 32])
+    twin = dequantized_twin(fp8, root / "twin-kept")
+    env = {**os.environ, "TANDEM_TEST_GPU_PATHS": "1", "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESIDENT, str(fp8), str(twin)],
+        env=env, capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    kept = got["kept"]
+    assert not got["mismatched"]
+    # q_a, q_b, kv_a, o of layers 0, 1 and the MTP layer; eh_proj; dense and shared down_proj x 3
+    assert len(got["compared"]) == 16
+    assert got["kv_b"] == "torch.float32"  # read as per-head matrices: dequantized
+    for part in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_up_proj",
+                 "down_proj", "experts", "shared_experts.gate_up_proj"):  # fmt: skip
+        assert any(k.endswith(part) for k in kept), part
+    assert any(k.startswith("mtp.") and k.endswith("eh_proj") for k in kept)
+    assert got["fp8_bytes"] > 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    with LLM(str(twin), dtype="float32") as llm:
+        outs = llm.generate([[5, 6, 7], list(range(40, 60))], params)
+    assert got["tokens"] == [o.outputs[0].token_ids for o in outs]
+    diff = max(
+        abs(a - b.logprob)
+        for lps, o in zip(got["logprobs"], outs, strict=True)
+        for a, b in zip(lps, o.outputs[0].logprobs, strict=True)
+    )
+    assert 0 < diff < 0.05  # activation quantization: close, not equal
+
+
+def test_blocks_the_fp8_kernels_cannot_take_are_dequantized(
+    dsv3: Path, root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where FP8 GEMMs could run, [16, 16] blocks (an FP8 dot needs K steps of 32) are
+    dequantized at load, and the log says why; [32, 32] blocks are kept (here they run through
+    the PyTorch references: the GPU paths are off)."""
+    import logging
+
+    from tandem.models import loader
+
+    monkeypatch.setattr(loader, "fp8_compute_unavailable", lambda device: None)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for block, kept in (([16, 16], False), ([32, 32], True)):
+        fp8 = quantize_checkpoint(dsv3, root / f"fp8-blocks-{block[0]}", block)
+        with caplog.at_level(logging.INFO, logger="tandem.models.loader"):
+            with LLM(str(fp8), dtype="float32") as llm:
+                model = llm.engine.executor.worker.model
+                n = sum(getattr(m, "fp8_block", None) is not None for m in model.modules())
+                out = llm.generate([[5, 6, 7]], params)
+        assert (n > 0) == kept
+        assert len(out[0].outputs[0].token_ids) == 4
+    assert "column blocks that are a power of two of at least 32" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(300)
+def test_cuda_keeps_fp8_weights_resident(dsv3: Path, root: Path) -> None:
+    """``make gpu-check``: on a GPU with FP8 tensor cores the quantized layers hold 1 byte per
+    weight (+ a float32 scale per block); prints the bytes against the same layers in bf16, and
+    generation stays close to the dequantized twin's."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9")
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-cuda", [32, 32])
+    twin = dequantized_twin(fp8, root / "twin-cuda")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    runs = {}
+    for name, folder in (("fp8", fp8), ("twin", twin)):
+        with LLM(str(folder), dtype="bfloat16", device="cuda") as llm:
+            model = llm.engine.executor.worker.model
+            kept = [m for m in model.modules() if getattr(m, "fp8_block", None) is not None]
+            weights = [
+                t for m in kept for n, t in m.named_parameters() if n in ("weight", "w13", "w2")
+            ]
+            scales = [t for m in kept for n, t in m.named_buffers() if n.endswith("scale_inv")]
+            runs[name] = (llm.generate(PROMPTS, params), kept, weights, scales)
+    outs, kept, weights, scales = runs["fp8"]
+    assert kept and all(w.dtype == torch.float8_e4m3fn for w in weights)
+    fp8_bytes = sum(w.numel() for w in weights) + sum(s.numel() * 4 for s in scales)
+    bf16_bytes = sum(w.numel() * 2 for w in weights)
+    print(f"\nFP8 layers: {len(kept)}; weights + scales {fp8_bytes} B, the same in bf16 "
+          f"{bf16_bytes} B ({fp8_bytes / bf16_bytes:.3f}x)")  # fmt: skip
+    assert fp8_bytes < 0.6 * bf16_bytes
+    twin_outs = runs["twin"][0]
+    same = sum(
+        a.outputs[0].token_ids == b.outputs[0].token_ids
+        for a, b in zip(outs, twin_outs, strict=True)
+    )
+    print(f"greedy continuations equal to the bf16 twin's: {same} of {len(outs)}")
+    assert same >= len(outs) // 2

@@ -11,6 +11,7 @@ skip and `test_triton_in_fresh_interpreter` re-runs them in a subprocess.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,11 @@ from tandem.kernels.fp8 import (  # noqa: E402
     quantize_per_token_group,
     quantize_per_token_group_reference,
 )
+from tandem.kernels.moe import (  # noqa: E402
+    moe_experts,
+    moe_experts_fp8_reference,
+    moe_experts_reference,
+)
 from tandem.kernels.paged_attention import triton_interpreter_enabled  # noqa: E402
 from tandem.models.quantization import quantize_fp8_blockwise  # noqa: E402
 
@@ -36,7 +42,7 @@ needs_interpreter = pytest.mark.skipif(
     reason="Triton interpreter not active in this process; see test_triton_in_fresh_interpreter",
 )
 # (rows, out features, in features, weight block): partial row, output and K blocks included
-GEMMS = [(1, 64, 64, (16, 16)), (7, 80, 48, (32, 16)), (33, 50, 70, (16, 32))]
+GEMMS = [(1, 64, 64, (16, 32)), (7, 80, 48, (32, 32)), (33, 50, 70, (64, 32)), (4, 128, 96, (128, 64))]
 
 
 def _case(m: int, n: int, k: int, block: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
@@ -66,21 +72,6 @@ def test_references_follow_the_format(m: int, n: int, k: int, block: tuple[int, 
     assert (got - exact).abs().max() < 0.08 * exact.abs().max()
 
 
-def _interpreter_fp8(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """``x / scale`` as the Triton interpreter converts it to float8_e4m3fn. Its conversion is
-    not a GPU's (round to nearest even): it rounds ties up and, where rounding carries out of
-    the mantissa, halves the value (127.9 becomes 64, not 128); so the interpreter's quantizer
-    is checked against the interpreter's own conversion of the reference's quotient."""
-    import numpy as np
-    import triton.language as tl
-    from triton._C.libtriton import ir
-    from triton.runtime.interpreter import _convert_float
-
-    v = (x / scale.repeat_interleave(group, 1)[:, : x.shape[1]]).clamp(-448, 448)
-    bits = _convert_float(v.numpy(), tl.float32, tl.float8e4nv, ir.ROUNDING_MODE.RTNE)
-    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float()
-
-
 @needs_interpreter
 @pytest.mark.parametrize("m,n,k,block", GEMMS)
 def test_triton_fp8_quantize_and_gemm_match_references(
@@ -90,8 +81,7 @@ def test_triton_fp8_quantize_and_gemm_match_references(
     q_ref, s_ref = quantize_per_token_group_reference(c["x"], block[1])
     q_a, s_a = quantize_per_token_group(c["x"], block[1], use_triton=True)
     torch.testing.assert_close(s_a, s_ref)
-    assert torch.equal(q_a.float(), _interpreter_fp8(c["x"], s_ref, block[1]))
-    assert (q_a.float() != q_ref.float()).sum() <= q_a.numel() // 4  # see _interpreter_fp8
+    assert torch.equal(q_a.float(), q_ref.float())  # round to nearest even, as torch casts
     ref = fp8_block_gemm_reference(q_a, s_a, c["q_w"], c["s_w"], block, torch.float32)
     got = fp8_block_gemm(q_a, s_a, c["q_w"], c["s_w"], block, torch.float32, use_triton=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -100,12 +90,68 @@ def test_triton_fp8_quantize_and_gemm_match_references(
     torch.testing.assert_close(lin[0], ref, rtol=1e-5, atol=1e-5)
 
 
+# (tokens, hidden, intermediate, experts, local experts, first local, top_k, weight block)
+MOE = [
+    (5, 32, 32, 4, 4, 0, 2, (16, 32)),
+    (9, 48, 32, 6, 3, 3, 3, (32, 32)),
+    (3, 64, 64, 4, 2, 0, 2, (32, 64)),
+]
+
+
+def _moe_case(
+    t: int, h: int, i: int, e: int, local: int, k: int, block: tuple[int, int]
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(t)
+    w13, w2 = (
+        torch.randn(local, 2 * i, h, generator=gen) * 0.2,
+        torch.randn(local, h, i, generator=gen) * 0.2,
+    )
+    q13, s13 = quantize_fp8_blockwise(w13, block)
+    q2, s2 = quantize_fp8_blockwise(w2, block)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    return {
+        "x": torch.randn(t, h, generator=gen), "w13": q13, "w2": q2,
+        "weights": torch.rand(t, k, generator=gen), "ids": ids, "scales": (s13, s2, block),
+        "dense": (w13, w2),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("t,h,i,e,local,first,k,block", MOE)
+def test_fp8_experts_reference_is_the_dequantized_computation(
+    t: int, h: int, i: int, e: int, local: int, first: int, k: int, block: tuple[int, int]
+) -> None:
+    """Against the float experts (moe_experts_reference on the unquantized weights): FP8
+    error only, and tokens routed to no local expert get zeros."""
+    c = _moe_case(t, h, i, e, local, k, block)
+    got = moe_experts_fp8_reference(
+        c["x"], c["w13"], c["w2"], *c["scales"], c["weights"], c["ids"], first
+    )
+    want = moe_experts_reference(c["x"], *c["dense"], c["weights"], c["ids"], first)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    mine = ((c["ids"] >= first) & (c["ids"] < first + local)).any(1)
+    assert torch.equal(got[~mine], torch.zeros_like(got[~mine]))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("t,h,i,e,local,first,k,block", MOE)
+def test_triton_fp8_experts_match_reference(
+    t: int, h: int, i: int, e: int, local: int, first: int, k: int, block: tuple[int, int]
+) -> None:
+    c = _moe_case(t, h, i, e, local, k, block)
+    args = (c["x"], c["w13"], c["w2"], c["weights"], c["ids"], first)
+    got = moe_experts(*args, fp8_scales=c["scales"], use_triton=True)
+    want = moe_experts_fp8_reference(
+        c["x"], c["w13"], c["w2"], *c["scales"], c["weights"], c["ids"], first
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_operands_that_do_not_fit_are_refused() -> None:
-    c = _case(4, 64, 64, (16, 16), seed=0)
-    q_a, s_a = quantize_per_token_group_reference(c["x"], 16)
+    c = _case(4, 64, 64, (16, 32), seed=0)
+    q_a, s_a = quantize_per_token_group_reference(c["x"], 32)
     with pytest.raises(ValueError, match="FP8 GEMM operands do not fit"):
-        fp8_block_gemm(q_a, s_a, c["q_w"], c["s_w"][:2], (16, 16), torch.float32)
-    with pytest.raises(ValueError, match="a power of two of at least 16"):
+        fp8_block_gemm(q_a, s_a, c["q_w"], c["s_w"][:2], (16, 32), torch.float32)
+    with pytest.raises(ValueError, match="a power of two of at least 32"):
         q_w, s_w = quantize_fp8_blockwise(c["w"], (16, 8))
         q8, s8 = quantize_per_token_group_reference(c["x"], 8)
         fp8_block_gemm(q8, s8, q_w, s_w, (16, 8), torch.float32, use_triton=True)
@@ -114,7 +160,7 @@ def test_operands_that_do_not_fit_are_refused() -> None:
 def test_triton_in_fresh_interpreter() -> None:
     if INTERPRETER:
         pytest.skip("the interpreter is active here: the tests above ran in this process")
-    assert run_in_fresh_interpreter(__file__, "triton_fp8") == len(GEMMS)
+    assert run_in_fresh_interpreter(__file__, "triton_fp8") == len(GEMMS) + len(MOE)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -93,7 +93,7 @@ def test_the_checks_catch_shared_memory_spills_and_host_syncs(
 
     monkeypatch.setattr(moe, "moe_align_blocks", counting_with_bincount)
     _, failures = aot.collect_variants(aot.preset_shapes(["deepseek-v3-mtp-tp8"]))
-    assert failures and all(f["kernel"].startswith("experts") for f in failures), failures
+    assert failures and all("experts" in f["kernel"] for f in failures), failures
     assert all("bincount" in f["error"] for f in failures), failures
 
 
@@ -116,7 +116,7 @@ def test_the_aot_report_is_what_the_gpu_loads() -> None:
         pytest.skip(f"sm_{cc} is not an AOT target ({sorted(aot.TARGETS)})")
     variants, failures = aot.collect_variants(aot.preset_shapes())
     assert not failures
-    chosen = [v for v in aot.subset(variants) if cc >= aot.min_capability(v)]
+    chosen = aot.subset([v for v in variants if cc >= aot.min_capability(v)])
     assert {v.kernel for v in chosen} == {
         k for k in aot.package_kernels() if cc >= 89 or "fp8" not in k and "quantize" not in k
     }
