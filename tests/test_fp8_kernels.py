@@ -42,7 +42,12 @@ needs_interpreter = pytest.mark.skipif(
     reason="Triton interpreter not active in this process; see test_triton_in_fresh_interpreter",
 )
 # (rows, out features, in features, weight block): partial row, output and K blocks included
-GEMMS = [(1, 64, 64, (16, 32)), (7, 80, 48, (32, 32)), (33, 50, 70, (64, 32)), (4, 128, 96, (128, 64))]
+GEMMS = [
+    (1, 64, 64, (16, 32)),
+    (7, 80, 48, (32, 32)),
+    (33, 50, 70, (64, 32)),
+    (4, 128, 96, (128, 64)),
+]
 
 
 def _case(m: int, n: int, k: int, block: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
