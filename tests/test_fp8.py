@@ -159,11 +159,8 @@ def test_a_scale_grid_that_does_not_fit_the_weight_is_refused() -> None:
 # ----------------------------------------------------------------------------- DeepSeek-V3
 
 
-@pytest.mark.timeout(300)
-def test_block_fp8_deepseek_v3_equals_transformers_dequantized(dsv3: Path, root: Path) -> None:
-    """Blocks of [8, 8] divide every shape (transformers requires it); transformers, on a CPU,
-    dequantizes the FP8 folder itself ("default to dequantizing the model to bf16")."""
-    fp8 = quantize_checkpoint(dsv3, root / "fp8-8", [8, 8])
+def _assert_matches_transformers(fp8: Path) -> list[list[int]]:
+    """Greedy tokens equal, logprobs within 1e-4, of transformers' own load of ``fp8``."""
     ref = hf_greedy(fp8, PROMPTS, NEW_TOKENS)
     tokens, logprobs, _ = _generate(fp8)
     assert tokens == [r["tokens"] for r in ref]
@@ -173,6 +170,15 @@ def test_block_fp8_deepseek_v3_equals_transformers_dequantized(dsv3: Path, root:
         for a, b in zip(got, r["logprobs"], strict=True)
     )
     assert diff < 1e-4
+    return tokens
+
+
+@pytest.mark.timeout(300)
+def test_block_fp8_deepseek_v3_equals_transformers_dequantized(dsv3: Path, root: Path) -> None:
+    """Blocks of [8, 8] divide every shape (transformers requires it); transformers, on a CPU,
+    dequantizes the FP8 folder itself ("default to dequantizing the model to bf16")."""
+    fp8 = quantize_checkpoint(dsv3, root / "fp8-8", [8, 8])
+    tokens = _assert_matches_transformers(fp8)
     # The oracle saw FP8 weights, not the float ones: they generate something else.
     assert tokens != _generate(dsv3)[0]
 
@@ -211,6 +217,17 @@ def test_tp2_cuts_fp8_blocks_and_equals_one_rank(dsv3: Path, root: Path) -> None
         abs(a - b) for x, y in zip(one[1], two[1], strict=True) for a, b in zip(x, y, strict=True)
     )
     assert diff < 1e-4
+
+
+def test_block_fp8_glm4_moe_equals_transformers_dequantized(root: Path) -> None:
+    """GLM-4.5 through the same loader: q/k/v (fused here, with their unquantized biases),
+    dense and expert weights in [8, 8] FP8 blocks; transformers dequantizes the same folder."""
+    from test_glm4_moe import build_glm4_moe
+
+    folder = build_glm4_moe(root / "glm", use_qk_norm=True, head_dim=32)
+    fp8 = quantize_checkpoint(folder, root / "glm-fp8", [8, 8])
+    tokens = _assert_matches_transformers(fp8)
+    assert tokens != _generate(folder)[0]  # the FP8 values, not the float ones
 
 
 # ----------------------------------------------------------------------------- per tensor
