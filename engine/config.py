@@ -92,11 +92,27 @@ class SchedulerConfig:
         )
 
 
+def split_host_port(addr: str, name: str = "dist_init_addr") -> tuple[str, int]:
+    """'HOST:PORT' (IPv6 as '[::1]:PORT') -> (host, port); ValueError naming ``name`` if not."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}={addr!r} is invalid: HOST:PORT, e.g. 10.0.0.1:29500")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """``tensor_parallel_size`` ranks in all, ``tensor_parallel_size // nnodes`` on each node.
+    Node 0 hosts rank 0 and the rendezvous at ``dist_init_addr``; the other nodes run headless
+    ranks (``tandem serve ... --node-rank R``)."""
+
     tensor_parallel_size: int = 1
     enable_attention_dp: bool = False
     enable_lm_head_tp_in_adp: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; needed when nnodes > 1
 
     def __post_init__(self) -> None:
         _require(
@@ -107,6 +123,36 @@ class ParallelConfig:
         )
         if self.enable_lm_head_tp_in_adp and not self.enable_attention_dp:
             raise ValueError("enable_lm_head_tp_in_adp=True requires enable_attention_dp=True")
+        _require(self.nnodes >= 1, "nnodes", self.nnodes, ">= 1")
+        _require(
+            0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            self.node_rank,
+            f"in [0, nnodes={self.nnodes})",
+        )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not divisible by "
+                f"nnodes={self.nnodes}: every node runs tensor_parallel_size / nnodes ranks"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs dist_init_addr (--dist-init-addr HOST:PORT, or "
+                "--master-addr and --master-port): node 0's address that every node can reach"
+            )
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return range(
+            self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node
+        )
 
 
 @dataclass(frozen=True)
@@ -303,6 +349,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_attention_dp: bool = False
     enable_lm_head_tp_in_adp: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     served_model_name: str | None = None
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
@@ -376,6 +425,9 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 enable_attention_dp=self.enable_attention_dp,
                 enable_lm_head_tp_in_adp=self.enable_lm_head_tp_in_adp,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                dist_init_addr=self.dist_init_addr,
             ),
             device=device,
             speculative_config=spec,

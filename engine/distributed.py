@@ -9,11 +9,13 @@ Two groups per replica:
   timeout, so a peer that stops reading fails the step (a gloo send waits for the receiver);
   the other ranks wait on it between steps for as long as the server idles, so theirs is
   effectively unbounded. They learn of a dead rank 0 from the closed connection, or, when it
-  spawned them, from ``start_parent_watchdog``.
+  spawned them, from ``start_parent_watchdog``. Across nodes rank 0 pings the control group
+  while idle and the other ranks wait at most the collective timeout (a lost network ends them).
 
-Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; a launch
-by ``torchrun`` (or any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-``RANK``) uses the standard ``env://`` rendezvous.
+Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; across
+nodes node 0 hosts it at ``--dist-init-addr`` (engine/multinode.py); a launch by ``torchrun`` (or
+any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``) uses the
+standard ``env://`` rendezvous.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TANDEM_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
+# Start-up waits (imports, large checkpoints, other nodes still starting) are bounded but generous.
+STARTUP_TIMEOUT_ENV = "TANDEM_DIST_STARTUP_TIMEOUT_S"
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0
 # Ranks 1..N-1 waiting for the next step: not a failure, however long the server idles.
 IDLE_TIMEOUT = timedelta(days=365)
 
@@ -50,6 +55,19 @@ def collective_timeout(timeout_s: float | None = None) -> timedelta:
     if not timeout_s > 0:
         raise ValueError(f"distributed timeout={timeout_s!r} is invalid: a number of seconds > 0")
     return timedelta(seconds=timeout_s)
+
+
+def startup_timeout_s() -> float:
+    """How long start-up may wait for ranks and nodes: ``$TANDEM_DIST_STARTUP_TIMEOUT_S``, else
+    1800 s."""
+    raw = os.environ.get(STARTUP_TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else DEFAULT_STARTUP_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{STARTUP_TIMEOUT_ENV}={raw!r} is invalid: a number of seconds > 0")
+    return value
 
 
 @dataclass(frozen=True)
@@ -88,8 +106,10 @@ def local_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
     )
 
 
-def connect_store(port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+def connect_store(
+    port: int, world_size: int, timeout: timedelta, host: str = "127.0.0.1"
+) -> dist.TCPStore:
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -110,10 +130,11 @@ def init_distributed(
     device: torch.device,
     timeout: timedelta,
     store: dist.Store | None = None,
+    idle_timeout: timedelta = IDLE_TIMEOUT,
 ) -> ProcessGroups:
     """Join the world (``store`` given: local spawn; else ``env://``) and build both groups.
     ``timeout`` bounds the rendezvous and tensor collectives everywhere, and rank 0's control
-    collectives."""
+    collectives; ``idle_timeout`` the other ranks' control collectives (waiting for a step)."""
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialized in this process; "
@@ -124,7 +145,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     kw: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kw)
-    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else idle_timeout)
     logger.info("rank %d/%d joined (%s for tensors, gloo for control)", rank, world_size, backend)
     return ProcessGroups(tensor=dist.group.WORLD, control=control)
 

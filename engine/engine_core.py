@@ -9,9 +9,9 @@ a dead or hung one.
 
 A step that raises fails the requests that step was running (``RequestsFailed``; waiting and
 other requests are untouched) and the loop carries on, unless the engine cannot be trusted any
-more: aborting the failed requests raised, the executor's health check fails (a rank is gone),
-or ``max_consecutive_failures`` steps failed in a row. Then it reports ``EngineDead`` and the
-process exits non-zero. Test-only fault injection: ``engine/fault_injection.py``.
+more: aborting the failed requests raised, the executor's health check fails (a rank is gone;
+also checked at every idle heartbeat), or ``max_consecutive_failures`` steps failed in a row.
+Then it reports ``EngineDead`` and the process exits non-zero. Test-only fault injection: ``engine/fault_injection.py``.
 """
 
 from __future__ import annotations
@@ -295,6 +295,15 @@ def run_engine_loop(
                     live.discard(out.request_id)
 
         now = time.monotonic()
+        if not outputs and now - last_sent >= heartbeat_interval_s:
+            # Idle too: a rank (or node) that died between steps ends the engine now, not at the
+            # next request.
+            try:
+                _check_recoverable(engine)
+            except Exception as fatal:
+                logger.error("the engine cannot go on: %s", fatal)
+                out_q.put(EngineDead(f"the engine cannot go on: {type(fatal).__name__}: {fatal}"))
+                return 1
         if outputs or msgs or now - last_sent >= heartbeat_interval_s:
             deltas = [encoder.encode(out) for out in outputs]
             out_q.put(StepOutputs(deltas, stats_since(base_stats, engine.get_stats()), time.time()))

@@ -2,7 +2,8 @@
 
 ``UniProcExecutor`` runs the single rank in-process. ``MultiProcExecutor`` runs tensor-parallel
 ranks: rank 0 in the calling process, ranks 1..N-1 in spawned processes (or, under an external
-launcher such as ``torchrun``, in the launcher's processes). Both keep the same interface: the
+launcher such as ``torchrun``, in the launcher's processes; across nodes, node 0's ranks here and
+the other nodes' ranks under engine/headless.py). Both keep the same interface: the
 engine never knows how many ranks there are. Under attention DP the engine hands over every
 rank's ``StepInput`` at once (``DPStepInput``); each rank runs its own entry and rank 0 gathers
 and merges every rank's output.
@@ -14,39 +15,55 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
-import signal
+import threading
 import time
-import traceback
 from typing import Any
 
 import torch
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, split_host_port
 from tandem.engine.distributed import (
+    IDLE_TIMEOUT,
     LaunchEnv,
     ProcessGroups,
     all_reduce_min,
     broadcast_object,
     collective_timeout,
-    connect_store,
     destroy_distributed,
     gather_objects,
     init_distributed,
     local_store,
     rank_device,
-    start_parent_watchdog,
+    startup_timeout_s,
+)
+from tandem.engine.multinode import (
+    agree_as_node0,
+    await_world,
+    host_store,
+    report_failure,
+    reported_failure,
+)
+from tandem.engine.rank_process import (
+    PING,
+    RankPlace,
+    rank_config,
+    rank_mapping,
+    serve_steps,
+    spawn_ranks,
 )
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, merge_outputs
 from tandem.engine.worker import Worker
-from tandem.models.parallel import ParallelMapping
 
 logger = logging.getLogger(__name__)
 
-# Start-up waits are bounded but generous (imports, large checkpoints); a rank that dies while
-# starting is noticed at once through its process sentinel.
-STARTUP_TIMEOUT_S = 1800.0
+# Start-up waits are bounded but generous (``startup_timeout_s``: imports, large checkpoints,
+# other nodes starting); a rank that dies while starting is noticed at once through its process
+# sentinel. A rank told to stop gets this long to exit before it is terminated.
 JOIN_TIMEOUT_S = 5.0
+# Across nodes rank 0 broadcasts PING when the control group was quiet this long (at most a
+# quarter of the collective timeout), so the other ranks' bounded wait for a step never runs out
+# while the server idles and a vanished peer fails the ping.
+PING_INTERVAL_S = 2.0
 
 
 class Executor:
@@ -75,86 +92,6 @@ class RankFailedError(RuntimeError):
     """A rank died, hung past the collective timeout, or failed while starting."""
 
 
-def serve_steps(worker: Worker, control: Any) -> None:
-    """Ranks 1..N-1: run every step rank 0 broadcasts until it broadcasts ``None`` (stop); under
-    attention DP send this rank's output back to rank 0."""
-    while True:
-        step = broadcast_object(None, control)
-        if step is None:
-            return
-        out = worker.execute(step)
-        if isinstance(step, DPStepInput):
-            gather_objects(out, control)
-
-
-def rank_process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
-    """Fresh interpreters, never a fork of the engine (CUDA and thread pools do not survive
-    ``fork``). A forkserver pays the heavy imports once per engine process, not once per rank
-    and per executor; spawn where there is no forkserver."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    hf_module = type(config.model_config.hf_config).__module__
-    ctx.set_forkserver_preload(["tandem.engine.executor", hf_module])
-    return ctx
-
-
-def _rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
-    return dataclasses.replace(config, device=rank_device(config.device, local_rank))
-
-
-def _mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> ParallelMapping:
-    pc = config.parallel_config
-    return ParallelMapping(
-        tp_size=pc.tensor_parallel_size,
-        tp_rank=rank,
-        enable_attention_dp=pc.enable_attention_dp,
-        enable_lm_head_tp_in_adp=pc.enable_lm_head_tp_in_adp,
-        group=groups.tensor,
-    )
-
-
-def _spawned_rank_main(
-    config: EngineConfig,
-    rank: int,
-    port: int,
-    timeout_s: float,
-    conn: multiprocessing.connection.Connection,
-) -> None:
-    """Entry point of a spawned rank. Reports start-up stages and errors to rank 0 over ``conn``;
-    exits when told to stop, when a collective fails or times out, or when its parent is gone."""
-    start_parent_watchdog()
-    # Ctrl-C reaches the whole process group; rank 0 handles it and stops this rank.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    world = config.parallel_config.tensor_parallel_size
-    code = 0
-    try:
-        if config.device.type == "cpu":  # ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        timeout = collective_timeout(timeout_s)
-        conn.send(("hello", None))
-        store = connect_store(port, world, timeout)
-        groups = init_distributed(rank, world, rank_device(config.device, rank), timeout, store)
-
-        def agree(blocks: int) -> int:
-            conn.send(("loaded", blocks))
-            return all_reduce_min(blocks, groups.control)
-
-        worker = Worker(_rank_config(config, rank), _mapping(config, rank, groups), agree)
-        serve_steps(worker, groups.control)
-        destroy_distributed()
-    except BaseException:
-        code = 1
-        message = traceback.format_exc()
-        logger.error("rank %d failed:\n%s", rank, message)
-        try:
-            conn.send(("error", message))
-        except OSError:
-            pass
-    if code:
-        raise SystemExit(code)
-
-
 class MultiProcExecutor(Executor):
     """Tensor parallelism over ``tensor_parallel_size`` ranks.
 
@@ -166,18 +103,38 @@ class MultiProcExecutor(Executor):
     Under an external launcher (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set, e.g.
     ``torchrun``) every rank runs the same program: rank 0 returns from this constructor as the
     executor, the other ranks serve steps inside it and exit the process when rank 0 shuts down.
+
+    Across nodes (``nnodes > 1``) this is node 0: it hosts the rendezvous at ``dist_init_addr``,
+    checks every node's arguments (engine/multinode.py) and spawns its own ranks 1..N/M-1; a
+    thread pings the control group while idle and reads the other nodes' failure reports.
     """
 
     def __init__(self, config: EngineConfig, timeout_s: float | None = None) -> None:
-        self.world_size = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        if pc.node_rank != 0:
+            raise ValueError(
+                f"node_rank={pc.node_rank}: the engine runs on node 0; start node "
+                f"{pc.node_rank} with `tandem serve MODEL --nnodes {pc.nnodes} --node-rank "
+                f"{pc.node_rank} --dist-init-addr {pc.dist_init_addr} ...` (headless ranks)"
+            )
+        self.world_size = pc.tensor_parallel_size
         self.timeout = collective_timeout(timeout_s)
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self.groups: ProcessGroups | None = None
         self.failure: str | None = None
         self.closed = False
+        self.store: Any = None  # the rendezvous store across nodes (for failure reports)
+        self._lock = threading.Lock()  # one user of the control group at a time
+        self._last_control = time.monotonic()
+        self._stop_ping = threading.Event()
         try:
             launch = LaunchEnv.from_env()
+            if launch is not None and pc.nnodes > 1:
+                raise ValueError(
+                    f"nnodes={pc.nnodes} starts ranks itself, but this process was started by "
+                    "a launcher (RANK and WORLD_SIZE are set): use one or the other"
+                )
             if launch is None:
                 self._start_local(config)
             else:
@@ -191,37 +148,54 @@ class MultiProcExecutor(Executor):
     # ---------------------------------------------------------------- start-up
 
     def _start_local(self, config: EngineConfig) -> None:
-        if config.device.type == "cuda" and torch.cuda.device_count() < self.world_size:
+        pc = config.parallel_config
+        local = pc.ranks_per_node
+        if config.device.type == "cuda" and torch.cuda.device_count() < local:
             raise ValueError(
-                f"tensor_parallel_size={self.world_size} needs {self.world_size} CUDA devices, "
-                f"{torch.cuda.device_count()} are visible"
+                f"tensor_parallel_size={self.world_size} over nnodes={pc.nnodes} needs {local} "
+                f"CUDA devices per node, {torch.cuda.device_count()} are visible"
             )
-        store = local_store(self.world_size, self.timeout)
-        ctx = rank_process_context(config)
-        for rank in range(1, self.world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_spawned_rank_main,
-                args=(config, rank, store.port, self.timeout.total_seconds(), writer),
-                name=f"tandem-rank{rank}",
-                daemon=True,  # also terminated by multiprocessing at interpreter exit
+        multinode = pc.nnodes > 1
+        wait_s = startup_timeout_s() if multinode else None
+        deadline = time.monotonic() + (wait_s or 0)
+        if multinode:
+            store = self.store = host_store(pc, wait_s or 0)
+            logger.info(
+                "node 0 of %d: rendezvous at %s, waiting for the other nodes",
+                pc.nnodes,
+                pc.dist_init_addr,
             )
-            proc.start()
-            writer.close()
-            self.procs.append(proc)
-            self.conns.append(reader)
+            agree_as_node0(store, config, deadline)
+            host = split_host_port(pc.dist_init_addr or "")[0]
+        else:
+            store, host = local_store(self.world_size, self.timeout), "127.0.0.1"
+        places = [
+            RankPlace(r, r, host, store.port, self.timeout.total_seconds(), multinode)
+            for r in range(1, local)
+        ]
+        self.procs, self.conns = spawn_ranks(config, places)
         # Enter the rendezvous only once every rank can: its timeout is the collective one.
         self._await_stage("hello")
+        if multinode:
+            await_world(store, self.world_size, deadline, self._check_starting)
+        idle = self.timeout if multinode else IDLE_TIMEOUT
         self.groups = init_distributed(
-            0, self.world_size, rank_device(config.device, 0), self.timeout, store
+            0, self.world_size, rank_device(config.device, 0), self.timeout, store, idle
         )
         groups = self.groups
 
         def agree(blocks: int) -> int:
             self._await_stage("loaded")
-            return all_reduce_min(blocks, groups.control)
+            return all_reduce_min(blocks, groups.control, wait_s=wait_s)
 
-        self.worker = Worker(_rank_config(config, 0), _mapping(config, 0, groups), agree)
+        self.worker = Worker(rank_config(config, 0), rank_mapping(config, 0, groups), agree)
+        if multinode:
+            threading.Thread(target=self._ping_loop, name="control-ping", daemon=True).start()
+
+    def _check_starting(self) -> None:
+        if not all(p.is_alive() for p in self.procs):
+            self.failure = "a rank process exited during start-up"
+            raise RankFailedError(self._describe_failure())
 
     def _join_launch(self, config: EngineConfig, launch: LaunchEnv) -> None:
         if launch.world_size != self.world_size:
@@ -233,12 +207,11 @@ class MultiProcExecutor(Executor):
         self.groups = groups = init_distributed(
             launch.rank, launch.world_size, device, self.timeout
         )
-        rank_config = dataclasses.replace(config, device=device)
-        mapping = _mapping(config, launch.rank, groups)
+        mapping = rank_mapping(config, launch.rank, groups)
         worker = Worker(
-            rank_config,
+            dataclasses.replace(config, device=device),
             mapping,
-            lambda n: all_reduce_min(n, groups.control, wait_s=STARTUP_TIMEOUT_S),
+            lambda n: all_reduce_min(n, groups.control, wait_s=startup_timeout_s()),
         )
         if launch.rank == 0:
             self.worker = worker
@@ -251,13 +224,14 @@ class MultiProcExecutor(Executor):
     def _await_stage(self, stage: str) -> None:
         """Wait until every spawned rank reports ``stage``; raise at once if one fails or dies."""
         pending = dict(enumerate(self.conns, start=1))
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        wait_s = startup_timeout_s()
+        deadline = time.monotonic() + wait_s
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RankFailedError(
                     f"ranks {sorted(pending)} did not reach start-up stage {stage!r} "
-                    f"within {STARTUP_TIMEOUT_S:.0f} s"
+                    f"within {wait_s:.0f} s ($TANDEM_DIST_STARTUP_TIMEOUT_S)"
                 )
             handles = list(pending.values()) + [self.procs[r - 1].sentinel for r in pending]
             multiprocessing.connection.wait(handles, timeout=left)
@@ -285,18 +259,42 @@ class MultiProcExecutor(Executor):
         self.check_health()
         assert self.groups is not None
         try:
-            broadcast_object(step, self.groups.control)
-            out = self.worker.execute(step)
-            if isinstance(step, DPStepInput):
-                outs = gather_objects(out, self.groups.control)
-                assert outs is not None
-                return merge_outputs(outs)
+            with self._lock:
+                self._last_control = time.monotonic()
+                broadcast_object(step, self.groups.control)
+                out = self.worker.execute(step)
+                if isinstance(step, DPStepInput):
+                    outs = gather_objects(out, self.groups.control)
+                    assert outs is not None
+                    out = merge_outputs(outs)
+                self._last_control = time.monotonic()
             return out
         except Exception as e:
             self.failure = f"a step failed: {e}"
             # A rank that crashed is usually why; give its exit a moment to show in the report.
             multiprocessing.connection.wait([p.sentinel for p in self.procs], timeout=1.0)
             raise RankFailedError(self._describe_failure()) from e
+
+    def _ping_loop(self) -> None:
+        """Across nodes: keep the other ranks' bounded wait alive while idle, and fail (within
+        the collective timeout) when a peer is gone or another node reported a failure."""
+        interval = min(PING_INTERVAL_S, self.timeout.total_seconds() / 4)
+        while not self._stop_ping.wait(interval):
+            with self._lock:
+                if self.closed or self.failure is not None or self.groups is None:
+                    return
+                try:
+                    remote = reported_failure(self.store)
+                    if remote is not None:
+                        self.failure = f"another node failed: {remote}"
+                        return
+                    if time.monotonic() - self._last_control >= interval:
+                        broadcast_object(PING, self.groups.control)
+                        self._last_control = time.monotonic()
+                except Exception as e:
+                    self.failure = f"the control-group heartbeat failed: {e}"
+                    logger.error("%s", self.failure)
+                    return
 
     def check_health(self) -> None:
         if self.closed:
@@ -308,6 +306,13 @@ class MultiProcExecutor(Executor):
 
     def _describe_failure(self) -> str:
         lines = [f"tensor-parallel executor is unhealthy: {self.failure}"]
+        if self.store is not None:
+            try:
+                remote = reported_failure(self.store)
+            except (RuntimeError, OSError):
+                remote = None
+            if remote is not None and remote not in (self.failure or ""):
+                lines.append(f"another node reported: {remote}")
         for i, p in enumerate(self.procs):
             if not p.is_alive():
                 lines.append(f"rank {i + 1} exited with code {p.exitcode}")
@@ -326,14 +331,18 @@ class MultiProcExecutor(Executor):
         if self.closed:
             return
         self.closed = True
+        self._stop_ping.set()
         healthy = self.failure is None and all(p.is_alive() for p in self.procs)
         if self.groups is not None and healthy:
             try:
-                broadcast_object(None, self.groups.control)
+                with self._lock:  # after a ping in flight (bounded by the collective timeout)
+                    broadcast_object(None, self.groups.control)
                 for proc in self.procs:
                     proc.join(JOIN_TIMEOUT_S)
             except Exception as e:  # a rank just died or stopped reading; reaped below
                 logger.warning("could not stop the ranks cleanly: %s", e)
+        elif self.store is not None and self.failure is not None:
+            report_failure(self.store, f"node 0 stopped: {self.failure}")
         for proc in self.procs:
             if proc.is_alive() and healthy:
                 proc.terminate()

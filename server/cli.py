@@ -119,8 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     par = s.add_argument_group("parallelism and speculation")
     par.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="local rank processes"
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="rank processes in all (tensor-parallel-size / nnodes on each node)",
     )
+    par.add_argument(
+        "--nnodes", type=int, default=1, help="nodes the ranks span; start every node alike"
+    )
+    par.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index: node 0 serves HTTP, the others run headless ranks",
+    )
+    par.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's rendezvous address, reachable from every node (when --nnodes > 1)",
+    )
+    par.add_argument(
+        "--master-addr", default=None, help="with --master-port: another --dist-init-addr"
+    )
+    par.add_argument("--master-port", type=int, default=None)
     par.add_argument(
         "--enable-attention-dp",
         action="store_true",
@@ -179,6 +202,22 @@ def add_train_draft_parser(sub: Any) -> None:
     add(sub)
 
 
+def dist_init_addr_from(ns: argparse.Namespace) -> str | None:
+    """``--dist-init-addr``, or ``--master-addr`` and ``--master-port`` joined (they must agree)."""
+    addr = ns.dist_init_addr
+    if ns.master_addr is None and ns.master_port is None:
+        return addr
+    if ns.master_addr is None or ns.master_port is None:
+        raise ValueError("--master-addr and --master-port go together (or use --dist-init-addr)")
+    host = f"[{ns.master_addr}]" if ":" in ns.master_addr else ns.master_addr
+    joined = f"{host}:{ns.master_port}"
+    if addr is not None and addr != joined:
+        raise ValueError(
+            f"--dist-init-addr {addr} and --master-addr/--master-port {joined} disagree; give one"
+        )
+    return joined
+
+
 def engine_args_from(ns: argparse.Namespace) -> Any:
     """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do)."""
     from tandem.engine.config import EngineArgs
@@ -226,6 +265,9 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,
         enable_lm_head_tp_in_adp=ns.enable_lm_head_tp_in_adp,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        dist_init_addr=dist_init_addr_from(ns),
         served_model_name=names[0] if names else None,
         enforce_eager=ns.enforce_eager,
         cuda_graph_batch_sizes=(
@@ -246,6 +288,16 @@ def serve(ns: argparse.Namespace) -> int:
     engine_args = engine_args_from(ns)
     for name, value in getattr(ns, "config_engine_fields", {}).items():  # --config keys, no flag
         setattr(engine_args, name, value)
+    if engine_args.node_rank != 0:  # headless: only this node's ranks, no HTTP port
+        from tandem.engine.headless import run_headless_node
+        from tandem.engine.multinode import report_invalid_arguments
+
+        try:
+            config = engine_args.create_engine_config()
+        except ValueError as e:
+            report_invalid_arguments(engine_args.dist_init_addr, engine_args.node_rank, str(e))
+            raise
+        return run_headless_node(config)
     holder: dict[str, Any] = {}
 
     def on_engine_dead(reason: str) -> None:

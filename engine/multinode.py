@@ -1,0 +1,253 @@
+"""Several nodes, one model: node 0's rendezvous store and the start-up protocol every node runs
+on it before joining the world (the headless launcher of nodes 1..M-1 is engine/headless.py).
+
+At start-up, every wait bounded by the start-up timeout (``$TANDEM_DIST_STARTUP_TIMEOUT_S``):
+
+1. Node 0's rank 0 (the engine process) hosts a ``TCPStore`` at ``--dist-init-addr``; every other
+   node's launcher connects to it (waiting for node 0 to come up).
+2. Every node writes a fingerprint of the arguments that must agree (``fingerprint``) under its
+   node rank; node 0 compares each as it arrives and writes a verdict, ``ok`` or the mismatch;
+   every node reads it, so a mismatch ends every node with the same message. This runs before
+   ``init_process_group``, whose world sizes would otherwise differ and hang.
+3. Every node spawns its ranks with their global rank numbers. A rank counts itself in once its
+   imports are done and waits for the whole world (or a failure report) before
+   ``init_process_group``, so the collective timeout never has to cover a slow node's start.
+
+After start-up a node whose rank fails writes ``FAILED_KEY`` (node 0 reads it while pinging the
+control group), and a headless launcher that can no longer reach the store knows node 0 is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tandem import __version__
+from tandem.engine.config import EngineConfig, ParallelConfig, split_host_port
+
+KEY = "tandem/launch/"
+VERDICT_KEY = KEY + "verdict"
+FAILED_KEY = KEY + "failed"
+ARRIVED_KEY = KEY + "arrived"
+POLL_S = 0.2
+OK = "ok"
+# A refused node 0 keeps its store up this long for the other nodes to read why.
+VERDICT_READ_S = 10.0
+# A node whose own arguments are invalid tries this long to tell node 0 (which may still start).
+REPORT_S = 30.0
+
+
+def _model_id(config: EngineConfig) -> str:
+    """The checkpoint's folder name and a digest of its config (paths may differ per node)."""
+    mc = config.model_config
+    d = {k: v for k, v in mc.hf_config.to_dict().items() if k != "_name_or_path"}
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{os.path.basename(os.path.normpath(mc.model))} (config.json sha256 {digest[:12]})"
+
+
+def fingerprint(config: EngineConfig) -> dict[str, str]:
+    """What every node must agree on, by the option that sets it."""
+    pc, mc, cc = config.parallel_config, config.model_config, config.cache_config
+    spec = config.speculative_config
+    return {
+        "--nnodes": str(pc.nnodes),
+        "--tensor-parallel-size": str(pc.tensor_parallel_size),
+        "--enable-attention-dp": str(pc.enable_attention_dp),
+        "--enable-lm-head-tp-in-adp": str(pc.enable_lm_head_tp_in_adp),
+        "model": _model_id(config),
+        "--dtype": str(mc.dtype).removeprefix("torch."),
+        "--device": config.device.type,
+        "--max-model-len": str(mc.max_model_len),
+        "--block-size": str(cc.block_size),
+        "--max-num-seqs": str(config.scheduler_config.max_num_seqs),
+        "--seed": str(mc.seed),
+        "--speculative-config": (
+            "none" if spec is None else json.dumps(dataclasses.asdict(spec), sort_keys=True)
+        ),
+        "CUDA graphs": repr(config.graph_config),
+        "tandem version": __version__,
+    }
+
+
+def mismatches(node0: dict[str, str], other: dict[str, str], node: int) -> list[str]:
+    """'node 1 has --nnodes 3, node 0 has 2' for each field that differs."""
+    return [
+        f"node {node} has {name} {other.get(name, '(not set)')}, node 0 has {value}"
+        for name, value in node0.items()
+        if other.get(name) != value
+    ]
+
+
+def _addr(pc: ParallelConfig) -> str:
+    host, port = split_host_port(pc.dist_init_addr or "")
+    return f"{host}:{port}"
+
+
+def host_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
+    """Node 0's rendezvous store, listening on ``dist_init_addr``'s port."""
+    host, port = split_host_port(pc.dist_init_addr or "")
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            pc.tensor_parallel_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:
+        raise ValueError(
+            f"node 0 cannot host the rendezvous at {host}:{port} ({e}); is the port taken, or "
+            "another node started with --node-rank 0?"
+        ) from e
+
+
+def join_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
+    """A client of node 0's store (waits up to ``timeout_s`` for node 0 to come up)."""
+    host, port = split_host_port(pc.dist_init_addr or "")
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            pc.tensor_parallel_size,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, OSError) as e:
+        raise ValueError(
+            f"node {pc.node_rank} could not reach node 0's rendezvous at {host}:{port} within "
+            f"{timeout_s:.0f} s ({e}); start node 0 with --node-rank 0 --dist-init-addr "
+            f"{host}:{port} and open port {port} between the nodes"
+        ) from e
+
+
+def _node_key(node: int) -> str:
+    return f"{KEY}node/{node}"
+
+
+def agree_as_node0(
+    store: dist.Store,
+    config: EngineConfig,
+    deadline: float,
+    check_alive: Callable[[], None] = lambda: None,
+) -> None:
+    """Compare every node's fingerprint with ours as it arrives, publish the verdict, and raise
+    ``ValueError`` on a mismatch (or when a node never joins)."""
+    pc = config.parallel_config
+    mine = fingerprint(config)
+    pending = set(range(1, pc.nnodes))
+    problems: list[str] = []
+    while pending and not problems:
+        check_alive()
+        failure = reported_failure(store)
+        if failure is not None:  # a node whose own arguments are invalid
+            store.set(VERDICT_KEY, failure)
+            raise ValueError(f"the {pc.nnodes} nodes cannot start: {failure}")
+        for node in sorted(pending):
+            if store.check([_node_key(node)]):
+                pending.discard(node)
+                problems += mismatches(mine, json.loads(store.get(_node_key(node))), node)
+        if pending and not problems:
+            if time.monotonic() > deadline:
+                problems.append(
+                    f"node(s) {sorted(pending)} did not join the rendezvous at {_addr(pc)} in "
+                    "time (raise $TANDEM_DIST_STARTUP_TIMEOUT_S if they start slowly)"
+                )
+            else:
+                time.sleep(POLL_S)
+    if problems:
+        verdict = (
+            f"the {pc.nnodes} nodes disagree: {'; '.join(problems)}. Start every node with the "
+            "same arguments (only --node-rank differs)"
+        )
+        store.set(VERDICT_KEY, verdict)
+        # Node 0's store ends with this process: wait until the joined nodes have read why.
+        joined = [n for n in range(1, pc.nnodes) if n not in pending]
+        until = time.monotonic() + VERDICT_READ_S
+        while time.monotonic() < until and not store.check([f"{KEY}read/{n}" for n in joined]):
+            time.sleep(POLL_S)
+        raise ValueError(verdict)
+    store.set(VERDICT_KEY, OK)
+
+
+def agree_as_node(store: dist.Store, config: EngineConfig, deadline: float) -> None:
+    """Publish this node's fingerprint and wait for node 0's verdict (``ValueError`` unless ok)."""
+    pc = config.parallel_config
+    if store.add(f"{KEY}claim/{pc.node_rank}", 1) != 1:
+        raise ValueError(
+            f"another node already joined {_addr(pc)} as --node-rank {pc.node_rank}; give every "
+            "node its own --node-rank"
+        )
+    store.set(_node_key(pc.node_rank), json.dumps(fingerprint(config)))
+    try:
+        while not store.check([VERDICT_KEY]):
+            if time.monotonic() > deadline:
+                raise ValueError(f"node 0 at {_addr(pc)} gave no verdict on the arguments in time")
+            time.sleep(POLL_S)
+        verdict = store.get(VERDICT_KEY).decode()
+        store.set(f"{KEY}read/{pc.node_rank}", "1")
+    except (RuntimeError, OSError) as e:  # DistNetworkError is a RuntimeError
+        raise ValueError(
+            f"node 0 at {_addr(pc)} went away before it checked the arguments ({e}); see its log"
+        ) from e
+    if verdict != OK:
+        raise ValueError(verdict)
+
+
+def report_invalid_arguments(dist_init_addr: str | None, node_rank: int, message: str) -> None:
+    """A node whose own arguments are invalid tells node 0 (so node 0 stops too instead of
+    waiting for it); best effort, for up to ``REPORT_S``."""
+    try:
+        host, port = split_host_port(dist_init_addr or "")
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=REPORT_S))
+    except (ValueError, RuntimeError, OSError):
+        return
+    report_failure(store, f"node {node_rank} cannot start: {message}")
+
+
+def report_failure(store: dist.Store, message: str) -> None:
+    """Tell the other nodes why this one is going away (best effort: the store may be gone)."""
+    try:
+        if not store.check([FAILED_KEY]):  # the first failure is the cause; keep it
+            store.set(FAILED_KEY, message)
+    except (RuntimeError, OSError):
+        pass
+
+
+def reported_failure(store: dist.Store) -> str | None:
+    """What a node reported through ``report_failure``, if anything."""
+    if store.check([FAILED_KEY]):
+        return store.get(FAILED_KEY).decode()
+    return None
+
+
+def await_world(
+    store: dist.Store,
+    world_size: int,
+    deadline: float,
+    check_alive: Callable[[], None] = lambda: None,
+) -> None:
+    """Count this rank in and wait until all ``world_size`` ranks are (``RuntimeError`` if a node
+    reports a failure or the start-up timeout passes first)."""
+    store.add(ARRIVED_KEY, 1)
+    while True:
+        arrived = store.add(ARRIVED_KEY, 0)
+        if arrived >= world_size:
+            return
+        failure = reported_failure(store)
+        if failure is not None:
+            raise RuntimeError(f"another node failed during start-up: {failure}")
+        check_alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"only {arrived} of {world_size} ranks arrived before the start-up timeout "
+                "($TANDEM_DIST_STARTUP_TIMEOUT_S)"
+            )
+        time.sleep(POLL_S)

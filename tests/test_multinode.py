@@ -1,0 +1,236 @@
+"""Two "nodes" on one machine: two independent `tandem serve` process trees, started separately
+with `--nnodes 2 --node-rank 0/1 --dist-init-addr 127.0.0.1:PORT` and `-tp 4` (two gloo ranks
+each). Node 0 serves greedy output equal to one rank, token for token, and node 1 binds no HTTP
+port; arguments that differ across the nodes stop both at start-up with a message naming the
+difference; a killed node makes the other exit non-zero (node 0's /health answering 503 first),
+and no process of either tree is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from server_utils import RemoteServer, child_pids, cmdline, free_port, tiny_model
+from tandem import LLM, SamplingParams
+from tandem.engine.config import ParallelConfig
+from tandem.engine.multinode import mismatches
+from tandem.server.cli import build_parser, engine_args_from
+from tandem.server.logprobs import TokenText
+
+PROMPTS = ["Hello world! How are you today?", "Paris is the capital of"]
+MAX_TOKENS = 12
+# Short collective timeout: a vanished node is noticed within seconds, not a minute.
+ENV = {"TANDEM_DIST_TIMEOUT_S": "10", "TANDEM_DIST_STARTUP_TIMEOUT_S": "90"}
+EXIT_WITHIN_S = 60.0
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _family(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    out, todo = [pid], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _start(model: Path, node_rank: int, addr: str, nnodes: int = 2) -> RemoteServer:
+    args = ["-tp", "4", "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    return RemoteServer(model, [*args, "--dist-init-addr", addr], env=ENV)
+
+
+def _wait_exit(node: RemoteServer, timeout_s: float = EXIT_WITHIN_S) -> int:
+    try:
+        return node.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout_s} s:\n{node.log_tail()}")
+
+
+def _assert_gone(pids: list[int]) -> None:
+    """No process of ``pids`` runs any more (zombies, reaped by nobody yet, count as gone)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    assert left == [], [cmdline(p) for p in left]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory)
+
+
+# ---------------------------------------------------------------- arguments (no processes)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"tensor_parallel_size": 4, "nnodes": 3}, "not divisible by nnodes=3"),
+        ({"tensor_parallel_size": 4, "nnodes": 2}, "needs dist_init_addr"),
+        ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2}, "node_rank=2"),
+        ({"tensor_parallel_size": 2, "nnodes": 2, "dist_init_addr": "node0"}, "HOST:PORT"),
+    ],
+)
+def test_parallel_config_refuses_layouts_that_cannot_work(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelConfig(**kw)
+
+
+def test_each_node_runs_its_share_of_the_global_ranks():
+    pc = ParallelConfig(tensor_parallel_size=8, nnodes=4, node_rank=2, dist_init_addr="h:1")
+    assert pc.ranks_per_node == 2 and list(pc.node_ranks) == [4, 5]
+
+
+def test_master_addr_and_port_are_another_spelling_of_dist_init_addr(tmp_path):
+    def addr(*argv: str) -> str | None:
+        ns = build_parser().parse_args(["serve", str(tmp_path), *argv])
+        return engine_args_from(ns).dist_init_addr
+
+    assert addr("--master-addr", "10.0.0.1", "--master-port", "29500") == "10.0.0.1:29500"
+    assert addr("--dist-init-addr", "10.0.0.1:29500") == "10.0.0.1:29500"
+    with pytest.raises(ValueError, match="go together"):
+        addr("--master-addr", "10.0.0.1")
+    with pytest.raises(ValueError, match="disagree"):
+        addr("--dist-init-addr", "h:1", "--master-addr", "h", "--master-port", "2")
+
+
+def test_mismatch_names_the_option_and_both_values():
+    node0 = {"--nnodes": "2", "--dtype": "float32"}
+    assert mismatches(node0, {"--nnodes": "3", "--dtype": "float32"}, 1) == [
+        "node 1 has --nnodes 3, node 0 has 2"
+    ]
+    assert mismatches(node0, dict(node0), 1) == []
+
+
+def test_the_offline_engine_refuses_to_run_on_a_headless_node(model_dir):
+    with pytest.raises(ValueError, match="--node-rank 1"):
+        LLM(
+            str(model_dir),
+            tensor_parallel_size=2,
+            nnodes=2,
+            node_rank=1,
+            dist_init_addr="127.0.0.1:29500",
+        )
+
+
+# ---------------------------------------------------------------- two process trees
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """One rank, offline: the greedy tokens as the API names them."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), max_model_len=256) as llm:
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    token_text = TokenText(AutoTokenizer.from_pretrained(model_dir))
+    return [(o.text, [token_text.text(t) for t in o.token_ids]) for o in outs]
+
+
+def test_two_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0(model_dir, reference):
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
+    try:
+        node0.wait_ready()
+        assert node1.proc.poll() is None, node1.log_tail()
+        client = openai.OpenAI(base_url=node0.url("/v1"), api_key="none", max_retries=0)
+        got = []
+        for p in PROMPTS:
+            choice = client.completions.create(
+                model=model_dir.name,
+                prompt=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True},
+            ).choices[0]
+            got.append((choice.text, choice.logprobs.tokens))
+        assert got == reference
+        # Headless: node 1 was given --port too, and nothing listens there.
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(node1.url("/health"), timeout=2)
+        assert f"headless node 1 of 2: serving {addr}" in node1.log_tail(100_000)
+        # The ping keeps idle ranks alive past the 10 s collective timeout.
+        time.sleep(12)
+        assert node1.proc.poll() is None, node1.log_tail()
+        assert (
+            client.completions.create(
+                model=model_dir.name, prompt=PROMPTS[0], max_tokens=2, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+
+        family = _family(node0.proc.pid) + _family(node1.proc.pid)
+        assert len(family) >= 6  # 2 launchers, the engine, 3 spawned ranks (+ helpers)
+        os.killpg(node1.pgid, signal.SIGKILL)
+        started = time.monotonic()
+        statuses = []
+        while node0.proc.poll() is None and time.monotonic() - started < EXIT_WITHIN_S:
+            try:
+                statuses.append(httpx.get(node0.url("/health"), timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert _wait_exit(node0, 1) != 0
+        assert 503 in statuses, statuses
+        assert "heartbeat failed" in node0.log_tail(100_000)
+        node1.proc.wait(timeout=10)
+        _assert_gone(sorted(family))
+    finally:
+        node0.stop()
+        node1.stop()
+
+
+def test_a_killed_node_0_ends_node_1(model_dir):
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
+    try:
+        node0.wait_ready()
+        family = _family(node0.proc.pid) + _family(node1.proc.pid)
+        os.killpg(node0.pgid, signal.SIGKILL)
+        assert _wait_exit(node1) != 0
+        node0.proc.wait(timeout=10)
+        _assert_gone(sorted(family))
+    finally:
+        node0.stop()
+        node1.stop()
+
+
+def test_wrong_nnodes_on_one_node_stops_both_naming_it(model_dir):
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr, nnodes=4)
+    try:
+        family: set[int] = set()  # every process either tree had while they ran
+        deadline = time.monotonic() + EXIT_WITHIN_S
+        while time.monotonic() < deadline and None in (node0.proc.poll(), node1.proc.poll()):
+            family.update(_family(node0.proc.pid) + _family(node1.proc.pid))
+            time.sleep(0.2)
+        assert len(family) >= 3  # the launchers and node 0's engine process
+        assert _wait_exit(node1, 1) != 0
+        assert _wait_exit(node0, 1) != 0
+        message = "node 1 has --nnodes 4, node 0 has 2"
+        assert message in node0.log_tail(100_000)
+        assert message in node1.log_tail(100_000)
+        _assert_gone(sorted(family))
+    finally:
+        node0.stop()
+        node1.stop()
