@@ -234,3 +234,47 @@ def test_wrong_nnodes_on_one_node_stops_both_naming_it(model_dir):
     finally:
         node0.stop()
         node1.stop()
+
+
+def test_a_node_killed_mid_stream_ends_the_stream_with_an_error(model_dir):
+    """SIGKILL of node 1 while node 0 streams: the stream ends with an error event (no hang,
+    no silent truncation), /health turns 503 and node 0 exits non-zero."""
+    import json
+
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
+    try:
+        node0.wait_ready()
+        family = _family(node0.proc.pid) + _family(node1.proc.pid)
+        body = {
+            "model": model_dir.name, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0,
+        }  # fmt: skip
+        events: list[str] = []
+        with httpx.stream("POST", node0.url("/v1/completions"), json=body, timeout=90) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 3:
+                        os.killpg(node1.pgid, signal.SIGKILL)
+        tokens = [e for e in events if e != "[DONE]" and "choices" in json.loads(e)]
+        assert 3 <= len(tokens) < 200
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert set(error) == {"error"} and error["error"]["type"] == "server_error", error
+        statuses = []
+        started = time.monotonic()
+        while node0.proc.poll() is None and time.monotonic() - started < EXIT_WITHIN_S:
+            try:
+                statuses.append(httpx.get(node0.url("/health"), timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        assert _wait_exit(node0, 1) != 0
+        assert 503 in statuses, statuses
+        node1.proc.wait(timeout=10)
+        _assert_gone(sorted(family))
+    finally:
+        node0.stop()
+        node1.stop()
