@@ -90,42 +90,38 @@ def _addr(pc: ParallelConfig) -> str:
     return f"{host}:{port}"
 
 
-def host_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
-    """Node 0's rendezvous store, listening on ``dist_init_addr``'s port."""
+def _open_store(pc: ParallelConfig, timeout_s: float, host_it: bool) -> dist.TCPStore:
     host, port = split_host_port(pc.dist_init_addr or "")
     try:
         return dist.TCPStore(
             host,
             port,
             pc.tensor_parallel_size,
-            is_master=True,
+            is_master=host_it,
             timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
+            **({"wait_for_workers": False} if host_it else {}),
         )
     except (RuntimeError, OSError) as e:
-        raise ValueError(
-            f"node 0 cannot host the rendezvous at {host}:{port} ({e}); is the port taken, or "
-            "another node started with --node-rank 0?"
-        ) from e
-
-
-def join_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
-    """A client of node 0's store (waits up to ``timeout_s`` for node 0 to come up)."""
-    host, port = split_host_port(pc.dist_init_addr or "")
-    try:
-        return dist.TCPStore(
-            host,
-            port,
-            pc.tensor_parallel_size,
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    except (RuntimeError, OSError) as e:
+        if host_it:
+            raise ValueError(
+                f"node 0 cannot host the rendezvous at {host}:{port} ({e}); is the port taken, "
+                "or another node started with --node-rank 0?"
+            ) from e
         raise ValueError(
             f"node {pc.node_rank} could not reach node 0's rendezvous at {host}:{port} within "
             f"{timeout_s:.0f} s ({e}); start node 0 with --node-rank 0 --dist-init-addr "
             f"{host}:{port} and open port {port} between the nodes"
         ) from e
+
+
+def host_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
+    """Node 0's rendezvous store, listening on ``dist_init_addr``'s port."""
+    return _open_store(pc, timeout_s, host_it=True)
+
+
+def join_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
+    """A client of node 0's store (waits up to ``timeout_s`` for node 0 to come up)."""
+    return _open_store(pc, timeout_s, host_it=False)
 
 
 def _node_key(node: int) -> str:

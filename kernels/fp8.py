@@ -95,7 +95,7 @@ def fp8_gemm_block_unsupported(block: tuple[int, int]) -> str | None:
     return None
 
 
-def _check_block(block: tuple[int, int]) -> None:
+def check_gemm_block(block: tuple[int, int]) -> None:
     why = fp8_gemm_block_unsupported(block)
     if why is not None:
         raise ValueError(f"FP8 GEMM on the GPU: {why}")
@@ -146,7 +146,7 @@ def fp8_block_gemm(
         use_triton = gpu_paths(q_a) and HAS_TRITON
     if not use_triton:
         return fp8_block_gemm_reference(q_a, s_a, q_w, s_w, block, out_dtype)
-    _check_block(block)
+    check_gemm_block(block)
     out = torch.empty(m, n, dtype=out_dtype, device=q_a.device)
     if m == 0:
         return out

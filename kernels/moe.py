@@ -23,6 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem.kernels.fp8 import (
+    check_gemm_block,
+    fp8_block_gemm_reference,
+    quantize_per_token_group,
+    quantize_per_token_group_reference,
+)
 from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2, gpu_paths
 
 if HAS_TRITON:
@@ -107,8 +113,6 @@ def moe_experts_fp8_reference(
     """The FP8 expert compute as the kernel defines it: block-scaled FP8 ``w13`` / ``w2``, the
     tokens and the gated activations quantized per token and group of ``block[1]`` channels
     (``kernels.fp8``), float32 products. [T, H] in x's dtype."""
-    from tandem.kernels.fp8 import fp8_block_gemm_reference, quantize_per_token_group_reference
-
     num_tokens, top_k = ids.shape
     inter = w2.shape[2]
     q_x, s_x = quantize_per_token_group_reference(x, block[1])
@@ -420,10 +424,8 @@ def _moe_experts_triton(
     a, s_a, s13, s2, group_n, group_k = x, x, x, x, 1, 1  # (unused without FP8)
     fp8 = fp8_scales is not None
     if fp8:
-        from tandem.kernels.fp8 import _check_block, quantize_per_token_group
-
         s13, s2, (group_n, group_k) = fp8_scales
-        _check_block((group_n, group_k))
+        check_gemm_block((group_n, group_k))
         # K steps inside a scale block: a whole 128-wide block spills the gated GEMM (gpu-aot).
         block_k = min(group_k, 64 if x.is_cuda else 16)
         if group_k % block_k:

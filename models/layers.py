@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_decode
+from tandem.kernels.fp8 import fp8_linear
 from tandem.models.parallel import ParallelMapping, all_gather_last_dim, all_reduce, divide
+from tandem.models.quantization import DequantizedWeight, dequantize_fp8_blockwise
 
 # ----------------------------------------------------------------------------- weight loading
 
@@ -415,8 +417,6 @@ class LinearBase(nn.Module):
     def _fp8_to_dense(self) -> None:
         """Back to the model's dtype (a checkpoint that did not quantize this layer); what was
         loaded as FP8 already is dequantized exactly as the weight-only path does."""
-        from tandem.models.quantization import dequantize_fp8_blockwise
-
         assert self.fp8_block is not None
         dense = dequantize_fp8_blockwise(
             self.weight.data, self.weight_scale_inv, self.fp8_block, self.dense_dtype
@@ -432,8 +432,6 @@ class LinearBase(nn.Module):
         """Copy ``[start, start + size)`` along ``dim`` of a checkpoint tensor (None: all of
         it) into ``param`` from row ``dst_row`` on: its FP8 values and scale blocks where this
         layer keeps FP8 weights, else the (dequantized) values in the parameter's dtype."""
-        from tandem.models.quantization import DequantizedWeight
-
         if param is self.weight and self.fp8_block is not None:
             if isinstance(loaded, DequantizedWeight) and loaded.block == self.fp8_block:
                 q, scale = loaded.raw(dim, start, size)
@@ -454,8 +452,6 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8_block is not None:
-            from tandem.kernels.fp8 import fp8_linear
-
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_block, bias)
         if (
             self.fast_weight is not None

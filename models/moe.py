@@ -38,6 +38,7 @@ from tandem.models.parallel import (
     all_reduce,
     divide,
 )
+from tandem.models.quantization import DequantizedWeight, dequantize_fp8_blockwise
 
 
 class MoEGate(nn.Module):
@@ -115,8 +116,6 @@ class RoutedExperts(nn.Module):
         self.fp8_block = block
 
     def _fp8_to_dense(self) -> None:
-        from tandem.models.quantization import dequantize_fp8_blockwise
-
         assert self.fp8_block is not None
         for name in ("w13", "w2"):
             q, scale = getattr(self, name).data, getattr(self, f"{name}_scale_inv")
@@ -133,8 +132,6 @@ class RoutedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """``shard_id``: (local expert, 0 = gate | 1 = up) for w13, the local expert for w2, or
         "all" for a fused [E, ...] tensor of every expert (this rank reads its range)."""
-        from tandem.models.quantization import DequantizedWeight
-
         name = "w13" if param is self.w13 else "w2"
         if self.fp8_block is not None:
             if not (isinstance(loaded, DequantizedWeight) and loaded.block == self.fp8_block):
