@@ -158,15 +158,11 @@ def test_disconnected_streams_are_aborted(server):
     assert after["length"] == before["length"] and after["stop"] == before["stop"]
 
 
-def test_disconnected_non_streaming_request_is_aborted(server):
-    """A client that closes its connection while a non-streaming request runs: the request is
-    aborted, not run to the end. The client leaves once /metrics shows the request running, so
-    the test does not depend on how fast the engine is."""
+def post_and_leave(server, body: bytes) -> tuple[dict[str, float], dict[str, float]]:
+    """POST ``body`` to /v1/completions on a raw socket and close it once /metrics shows the
+    request in the engine (running, or waiting for a slot on a busy machine) or generating.
+    Returns the counters before the request and at the poll that let the client leave."""
     before = counters(server)
-    n, max_tokens = 32, 230  # about 6 s of work on the tiny model
-    body = json.dumps({
-        "model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "ignore_eos": True,
-    }).encode()  # fmt: skip
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(
@@ -176,15 +172,33 @@ def test_disconnected_non_streaming_request_is_aborted(server):
             + body
         )
 
-        # In the engine (running, or waiting for a slot on a busy machine), or already generating.
-        def arrived() -> bool:
+        def arrived() -> dict[str, float] | None:
             c = counters(server)
-            return c["running"] + c["waiting"] > 0 or c["generation"] > before["generation"]
+            busy = c["running"] + c["waiting"] > 0 or c["generation"] > before["generation"]
+            return c if busy else None
 
-        wait_until(arrived, timeout_s=60, interval_s=0.01)
-    after = wait_until(lambda: idle(server), timeout_s=30)
+        return before, wait_until(arrived, timeout_s=60, interval_s=0.01)
+
+
+def test_disconnected_non_streaming_request_is_aborted(server):
+    """A client that closes its connection while a non-streaming request runs: the request is
+    aborted, not run to the end. The client leaves once /metrics shows the request running; an
+    attempt where that poll already saw half of the tokens (the tiny model makes all 128 x 480
+    in under 5 s here, a slow poll on a loaded machine may outlast it) says nothing and is made
+    again, so the test depends neither on the engine's speed nor on the machine's load."""
+    n, max_tokens = 128, 480  # MAX_N samples, near the 512 positions: waves of --max-num-seqs 40
+    body = json.dumps({
+        "model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "ignore_eos": True,
+    }).encode()  # fmt: skip
+    for _attempt in range(4):
+        before, left = post_and_leave(server, body)
+        after = wait_until(lambda: idle(server), timeout_s=60)
+        if left["generation"] - before["generation"] < n * max_tokens / 2:
+            break
+    else:
+        pytest.fail("in every attempt the client left after half of the request had run")
     assert after["generation"] - before["generation"] < n * max_tokens
-    assert after["length"] == before["length"]
+    assert after["length"] - before["length"] < n
     # And the server is fine afterwards.
     short = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
     r = httpx.post(server.url("/v1/completions"), json=short, timeout=60)
