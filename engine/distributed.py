@@ -15,7 +15,10 @@ Two groups per replica:
 Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; across
 nodes node 0 hosts it at ``--dist-init-addr`` (engine/multinode.py); a launch by ``torchrun`` (or
 any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``) uses the
-standard ``env://`` rendezvous.
+standard ``env://`` rendezvous, and so does ``srun`` with one task per rank once
+``adopt_slurm_launch`` has written those variables from ``SLURM_*``. Under a launcher every rank
+is its own process: only global rank 0 serves HTTP, rank 0 pings the control group while idle
+and the other ranks wait at most the collective timeout, as across nodes.
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tandem.engine.config import split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,8 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int | None = None  # ranks on this node, when the launcher says
+    master: str = ""  # MASTER_ADDR:MASTER_PORT
 
     @classmethod
     def from_env(cls) -> LaunchEnv | None:
@@ -89,8 +97,70 @@ class LaunchEnv:
                 f"RANK and WORLD_SIZE are set but {', '.join(missing)} is not; set all of "
                 "MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (or launch with torchrun)"
             )
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return cls(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+        env = {k: _env_int(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        rank, world = env["RANK"], env["WORLD_SIZE"]
+        assert rank is not None and world is not None
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")
+        local = env["LOCAL_RANK"]
+        master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return cls(rank, world, rank if local is None else local, env["LOCAL_WORLD_SIZE"], master)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def adopt_slurm_launch(tensor_parallel_size: int, nnodes: int, dist_init_addr: str | None) -> bool:
+    """``srun`` with one task per rank (``SLURM_NTASKS`` = tensor-parallel size, no ``--nnodes``):
+    write the ``torch.distributed`` variables from ``SLURM_PROCID`` / ``SLURM_NTASKS`` /
+    ``SLURM_LOCALID`` (rank 0's address from ``--dist-init-addr``, else ``MASTER_ADDR`` /
+    ``MASTER_PORT``) so this process and the ones it spawns see a launcher. True when adopted.
+
+    One ``srun`` task per node with ``--nnodes`` (tandem starts the node's ranks) and a single
+    task are not a launch; a task count that is neither is refused, naming both numbers."""
+    ntasks = _env_int("SLURM_NTASKS")
+    if "RANK" in os.environ or ntasks is None or ntasks == 1 or nnodes > 1:
+        return False
+    if ntasks != tensor_parallel_size:
+        raise ValueError(
+            f"srun started SLURM_NTASKS={ntasks} tasks but --tensor-parallel-size is "
+            f"{tensor_parallel_size}: run one task per rank (srun --ntasks "
+            f"{tensor_parallel_size}) or one per node with --nnodes/--node-rank"
+        )
+    if dist_init_addr is not None:
+        host, port = split_host_port(dist_init_addr)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise ValueError(
+            f"srun runs one task per rank here (SLURM_NTASKS={ntasks}), and rank 0's address "
+            f"is unknown ({', '.join(missing)} not set): pass --dist-init-addr HOST:PORT with "
+            "the first node of the allocation, or export MASTER_ADDR and MASTER_PORT"
+        )
+    procid, localid = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID")
+    if procid is None:
+        raise ValueError("SLURM_NTASKS is set but SLURM_PROCID is not: start the tasks with srun")
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(procid), str(ntasks)
+    os.environ["LOCAL_RANK"] = str(procid if localid is None else localid)
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit():  # not "2(x3)" and the like
+        os.environ["LOCAL_WORLD_SIZE"] = per_node
+    logger.info(
+        "srun task %d of %d is rank %d (rendezvous at %s:%s)",
+        procid,
+        ntasks,
+        procid,
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
+    return True
 
 
 @dataclass(frozen=True)
@@ -193,3 +263,20 @@ def start_parent_watchdog(exit_code: int = 3) -> None:
         os._exit(exit_code)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+LAUNCHER_POLL_S = 1.0
+
+
+def start_launcher_watchdog(exit_code: int = 3) -> None:
+    """Under torchrun or srun: end this rank when the launcher that started it is gone (its
+    parent process changes), so a killed agent never leaves a rank that serves on alone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        logger.error("the launcher (pid %d) is gone; rank process %d exits", parent, os.getpid())
+        os._exit(exit_code)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()

@@ -11,7 +11,6 @@ and merges every rank's output.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -46,9 +45,10 @@ from tandem.engine.multinode import (
 from tandem.engine.rank_process import (
     PING,
     RankPlace,
+    join_launched_world,
     rank_config,
     rank_mapping,
-    serve_steps,
+    serve_launched_rank,
     spawn_ranks,
 )
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, merge_outputs
@@ -130,11 +130,6 @@ class MultiProcExecutor(Executor):
         self._stop_ping = threading.Event()
         try:
             launch = LaunchEnv.from_env()
-            if launch is not None and pc.nnodes > 1:
-                raise ValueError(
-                    f"nnodes={pc.nnodes} starts ranks itself, but this process was started by "
-                    "a launcher (RANK and WORLD_SIZE are set): use one or the other"
-                )
             if launch is None:
                 self._start_local(config)
             else:
@@ -198,28 +193,12 @@ class MultiProcExecutor(Executor):
             raise RankFailedError(self._describe_failure())
 
     def _join_launch(self, config: EngineConfig, launch: LaunchEnv) -> None:
-        if launch.world_size != self.world_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.world_size} but the launcher started "
-                f"WORLD_SIZE={launch.world_size} processes; they must be equal"
-            )
-        device = rank_device(config.device, launch.local_rank)
-        self.groups = groups = init_distributed(
-            launch.rank, launch.world_size, device, self.timeout
-        )
-        mapping = rank_mapping(config, launch.rank, groups)
-        worker = Worker(
-            dataclasses.replace(config, device=device),
-            mapping,
-            lambda n: all_reduce_min(n, groups.control, wait_s=startup_timeout_s()),
-        )
-        if launch.rank == 0:
-            self.worker = worker
-            return
-        serve_steps(worker, groups.control)
-        destroy_distributed()
-        self.groups = None
-        raise SystemExit(0)
+        check_launch(config, launch)
+        if launch.rank != 0:  # the offline engine: the other ranks stay in here, then exit
+            serve_launched_rank(config, launch)
+            raise SystemExit(0)
+        self.groups, self.worker = join_launched_world(config, launch)
+        threading.Thread(target=self._ping_loop, name="control-ping", daemon=True).start()
 
     def _await_stage(self, stage: str) -> None:
         """Wait until every spawned rank reports ``stage``; raise at once if one fails or dies."""
@@ -284,7 +263,7 @@ class MultiProcExecutor(Executor):
                 if self.closed or self.failure is not None or self.groups is None:
                     return
                 try:
-                    remote = reported_failure(self.store)
+                    remote = None if self.store is None else reported_failure(self.store)
                     if remote is not None:
                         self.failure = f"another node failed: {remote}"
                         return
@@ -355,6 +334,21 @@ class MultiProcExecutor(Executor):
         if self.groups is not None:
             destroy_distributed()
             self.groups = None
+
+
+def check_launch(config: EngineConfig, launch: LaunchEnv) -> None:
+    """What an external launcher's world must match: one process per rank, no --nnodes."""
+    pc = config.parallel_config
+    if pc.nnodes > 1:
+        raise ValueError(
+            f"nnodes={pc.nnodes} starts ranks itself, but this process was started by a "
+            "launcher (RANK and WORLD_SIZE are set): use one or the other"
+        )
+    if launch.world_size != pc.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={pc.tensor_parallel_size} but the launcher started "
+            f"WORLD_SIZE={launch.world_size} processes; they must be equal"
+        )
 
 
 def make_executor(config: EngineConfig) -> Executor:

@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -76,13 +77,29 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
     }
 
 
-def mismatches(node0: dict[str, str], other: dict[str, str], node: int) -> list[str]:
-    """'node 1 has --nnodes 3, node 0 has 2' for each field that differs."""
+def mismatches(
+    node0: dict[str, str], other: dict[str, str], node: int, unit: str = "node"
+) -> list[str]:
+    """'node 1 has --nnodes 3, node 0 has 2' for each field that differs (``unit`` "rank":
+    'rank 1 has ...' under an external launcher)."""
     return [
-        f"node {node} has {name} {other.get(name, '(not set)')}, node 0 has {value}"
+        f"{unit} {node} has {name} {other.get(name, '(not set)')}, {unit} 0 has {value}"
         for name, value in node0.items()
         if other.get(name) != value
     ]
+
+
+def agree_in_world(config: EngineConfig, control: Any) -> None:
+    """Under an external launcher (one process per rank, the world already joined): every rank
+    gathers every rank's ``fingerprint`` over the gloo ``control`` group and raises the same
+    ``ValueError`` on a mismatch, so all of them stop with it instead of hanging in a step."""
+    prints: list[Any] = [None] * dist.get_world_size(control)
+    dist.all_gather_object(prints, fingerprint(config), group=control)
+    problems = [m for r, p in enumerate(prints) if r for m in mismatches(prints[0], p, r, "rank")]
+    if problems:
+        raise ValueError(
+            "the launched ranks were started with different arguments: " + "; ".join(problems)
+        )
 
 
 def _addr(pc: ParallelConfig) -> str:

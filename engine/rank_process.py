@@ -24,6 +24,7 @@ import torch
 from tandem.engine.config import EngineConfig
 from tandem.engine.distributed import (
     IDLE_TIMEOUT,
+    LaunchEnv,
     ProcessGroups,
     all_reduce_min,
     broadcast_object,
@@ -36,7 +37,7 @@ from tandem.engine.distributed import (
     start_parent_watchdog,
     startup_timeout_s,
 )
-from tandem.engine.multinode import await_world
+from tandem.engine.multinode import agree_in_world, await_world
 from tandem.engine.step import DPStepInput
 from tandem.engine.worker import Worker
 from tandem.models.parallel import ParallelMapping
@@ -106,6 +107,35 @@ def rank_mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> Para
         enable_lm_head_tp_in_adp=pc.enable_lm_head_tp_in_adp,
         group=groups.tensor,
     )
+
+
+def join_launched_world(config: EngineConfig, launch: LaunchEnv) -> tuple[ProcessGroups, Worker]:
+    """Under an external launcher (torchrun, srun): join the ``env://`` world, check that every
+    rank got the same arguments, and load this rank's shard. Ranks other than 0 wait for a step
+    at most the collective timeout (rank 0 pings the control group while idle)."""
+    timeout = collective_timeout()
+    device = rank_device(config.device, launch.local_rank)
+    if device.type == "cpu" and launch.local_world_size:  # ranks share the node's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    groups = init_distributed(launch.rank, launch.world_size, device, timeout, None, timeout)
+    agree_in_world(config, groups.control)
+    worker = Worker(
+        dataclasses.replace(config, device=device),
+        rank_mapping(config, launch.rank, groups),
+        lambda n: all_reduce_min(n, groups.control, wait_s=startup_timeout_s()),
+    )
+    return groups, worker
+
+
+def serve_launched_rank(config: EngineConfig, launch: LaunchEnv) -> None:
+    """A launched rank other than 0 (``tandem serve`` under torchrun or srun binds no HTTP port
+    there): serve rank 0's steps until it stops the world; raises when a collective fails or
+    times out (rank 0 or a peer is gone)."""
+    groups, worker = join_launched_world(config, launch)
+    try:
+        serve_steps(worker, groups.control)
+    finally:
+        destroy_distributed()
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,13 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem import __version__
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineArgs
+    from tandem.engine.distributed import LaunchEnv
 
 logger = logging.getLogger("tandem")
 
@@ -288,6 +292,24 @@ def serve(ns: argparse.Namespace) -> int:
     engine_args = engine_args_from(ns)
     for name, value in getattr(ns, "config_engine_fields", {}).items():  # --config keys, no flag
         setattr(engine_args, name, value)
+    if (launch := launched_rank(engine_args)) is not None and launch.rank != 0:
+        # torchrun / srun started every rank as `tandem serve`: only global rank 0 serves HTTP.
+        from tandem.engine.executor import check_launch
+        from tandem.engine.rank_process import serve_launched_rank
+
+        config = engine_args.create_engine_config()
+        check_launch(config, launch)
+        logger.info(
+            "rank %d of %d (local rank %d), started by a launcher: rank 0's process at %s "
+            "serves HTTP, this one runs its shard only (no HTTP port)",
+            launch.rank,
+            launch.world_size,
+            launch.local_rank,
+            launch.master,
+        )
+        serve_launched_rank(config, launch)
+        logger.info("rank %d: rank 0 stopped the world; exiting", launch.rank)
+        return 0
     if engine_args.node_rank != 0:  # headless: only this node's ranks, no HTTP port
         from tandem.engine.headless import run_headless_node
         from tandem.engine.multinode import report_invalid_arguments
@@ -387,6 +409,30 @@ def apply_config_file(ns: argparse.Namespace, argv: list[str]) -> None:
             elif value is not None and key == "speculative_config":
                 value = json.dumps(value)  # what --speculative-config holds
             setattr(ns, dest, value)
+
+
+def launched_rank(engine_args: EngineArgs) -> LaunchEnv | None:
+    """This process's rank when torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) or
+    srun with one task per rank started it; None when tandem starts the ranks itself."""
+    from tandem.engine.distributed import (
+        LaunchEnv,
+        adopt_slurm_launch,
+        start_launcher_watchdog,
+    )
+
+    slurm = adopt_slurm_launch(
+        engine_args.tensor_parallel_size, engine_args.nnodes, engine_args.dist_init_addr
+    )
+    launch = LaunchEnv.from_env()
+    if launch is not None:
+        start_launcher_watchdog()
+    if launch is not None and not slurm and engine_args.dist_init_addr is not None:
+        raise ValueError(
+            f"--dist-init-addr {engine_args.dist_init_addr} with a launcher's environment "
+            f"(RANK={launch.rank}, MASTER_ADDR:MASTER_PORT={launch.master}): the launcher's "
+            "rendezvous is the one used; drop --dist-init-addr (or --nnodes) under torchrun"
+        )
+    return launch
 
 
 def main(argv: list[str] | None = None) -> int:

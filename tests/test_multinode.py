@@ -7,6 +7,7 @@ and no process of either tree is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,9 +53,18 @@ def _family(pid: int) -> list[int]:
     return out
 
 
-def _start(model: Path, node_rank: int, addr: str, nnodes: int = 2) -> RemoteServer:
-    args = ["-tp", "4", "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
-    return RemoteServer(model, [*args, "--dist-init-addr", addr], env=ENV)
+def _start(
+    model: Path,
+    node_rank: int,
+    addr: str,
+    nnodes: int = 2,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> RemoteServer:
+    """One node's ``tandem serve -tp 4``; ``args`` and ``env`` add to the command and ``ENV``."""
+    launch = ["-tp", "4", "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    launch += ["--dist-init-addr", addr, *(args or [])]
+    return RemoteServer(model, launch, env={**ENV, **(env or {})})
 
 
 def _wait_exit(node: RemoteServer, timeout_s: float = EXIT_WITHIN_S) -> int:
@@ -62,6 +72,36 @@ def _wait_exit(node: RemoteServer, timeout_s: float = EXIT_WITHIN_S) -> int:
         return node.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running after {timeout_s} s:\n{node.log_tail()}")
+
+
+def served_greedy(server: RemoteServer, model: Path) -> list[tuple[str, list[str]]]:
+    """PROMPTS' greedy texts and tokens, as ``server`` answers them over the openai client."""
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    got = []
+    for p in PROMPTS:
+        choice = client.completions.create(
+            model=model.name,
+            prompt=p,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0]
+        got.append((choice.text, choice.logprobs.tokens))
+    return got
+
+
+def health_until_exit(server: RemoteServer) -> list[int]:
+    """What /health answers while ``server`` runs (polled for at most EXIT_WITHIN_S)."""
+    statuses = []
+    started = time.monotonic()
+    while server.proc.poll() is None and time.monotonic() - started < EXIT_WITHIN_S:
+        try:
+            statuses.append(httpx.get(server.url("/health"), timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return statuses
 
 
 def _assert_gone(pids: list[int]) -> None:
@@ -137,7 +177,11 @@ def test_the_offline_engine_refuses_to_run_on_a_headless_node(model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """One rank, offline: the greedy tokens as the API names them."""
+    return one_rank_reference(model_dir)
+
+
+def one_rank_reference(model_dir: Path) -> list[tuple[str, list[str]]]:
+    """One rank, offline: the greedy texts and tokens (as the API names them) of PROMPTS."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(str(model_dir), max_model_len=256) as llm:
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
@@ -151,19 +195,8 @@ def test_two_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0(model_di
     try:
         node0.wait_ready()
         assert node1.proc.poll() is None, node1.log_tail()
+        assert served_greedy(node0, model_dir) == reference
         client = openai.OpenAI(base_url=node0.url("/v1"), api_key="none", max_retries=0)
-        got = []
-        for p in PROMPTS:
-            choice = client.completions.create(
-                model=model_dir.name,
-                prompt=p,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True},
-            ).choices[0]
-            got.append((choice.text, choice.logprobs.tokens))
-        assert got == reference
         # Headless: node 1 was given --port too, and nothing listens there.
         with pytest.raises(httpx.ConnectError):
             httpx.get(node1.url("/health"), timeout=2)
@@ -182,14 +215,7 @@ def test_two_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0(model_di
         family = _family(node0.proc.pid) + _family(node1.proc.pid)
         assert len(family) >= 6  # 2 launchers, the engine, 3 spawned ranks (+ helpers)
         os.killpg(node1.pgid, signal.SIGKILL)
-        started = time.monotonic()
-        statuses = []
-        while node0.proc.poll() is None and time.monotonic() - started < EXIT_WITHIN_S:
-            try:
-                statuses.append(httpx.get(node0.url("/health"), timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        statuses = health_until_exit(node0)
         assert _wait_exit(node0, 1) != 0
         assert 503 in statuses, statuses
         assert "heartbeat failed" in node0.log_tail(100_000)
@@ -239,7 +265,6 @@ def test_wrong_nnodes_on_one_node_stops_both_naming_it(model_dir):
 def test_a_node_killed_mid_stream_ends_the_stream_with_an_error(model_dir):
     """SIGKILL of node 1 while node 0 streams: the stream ends with an error event (no hang,
     no silent truncation), /health turns 503 and node 0 exits non-zero."""
-    import json
 
     addr = f"127.0.0.1:{free_port()}"
     node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
@@ -263,18 +288,89 @@ def test_a_node_killed_mid_stream_ends_the_stream_with_an_error(model_dir):
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])
         assert set(error) == {"error"} and error["error"]["type"] == "server_error", error
-        statuses = []
-        started = time.monotonic()
-        while node0.proc.poll() is None and time.monotonic() - started < EXIT_WITHIN_S:
-            try:
-                statuses.append(httpx.get(node0.url("/health"), timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        statuses = health_until_exit(node0)
         assert _wait_exit(node0, 1) != 0
         assert 503 in statuses, statuses
         node1.proc.wait(timeout=10)
         _assert_gone(sorted(family))
     finally:
+        node0.stop()
+        node1.stop()
+
+
+def _rank_pids(node: RemoteServer) -> list[int]:
+    """The rank processes a node started (leaves of its tree that multiprocessing started)."""
+    return [
+        p
+        for p in _family(node.proc.pid)[1:]
+        if not child_pids(p)
+        and ("forkserver" in cmdline(p) or "spawn_main" in cmdline(p))
+        and "resource_tracker" not in cmdline(p)
+    ]
+
+
+def test_a_stopped_node_1_rank_ends_the_stream_and_node_0(model_dir):
+    """SIGSTOP of one node-1 rank (alive and connected, but no longer answering) while node 0
+    streams: the step's collective times out, the stream ends with an error event, /health
+    turns 503, node 0 exits non-zero, and node 1 (its stopped rank included) goes too."""
+
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
+    try:
+        node0.wait_ready()
+        family = _family(node0.proc.pid) + _family(node1.proc.pid)
+        ranks = _rank_pids(node1)
+        assert len(ranks) == 2, [cmdline(p) for p in _family(node1.proc.pid)]
+        body = {
+            "model": model_dir.name, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+        }  # fmt: skip
+        events: list[str] = []
+        with httpx.stream("POST", node0.url("/v1/completions"), json=body, timeout=90) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 3:
+                        os.kill(ranks[-1], signal.SIGSTOP)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert set(error) == {"error"} and error["error"]["type"] == "server_error", error
+        statuses = health_until_exit(node0)
+        assert _wait_exit(node0, 1) != 0
+        assert 503 in statuses, statuses
+        assert _wait_exit(node1) != 0
+        _assert_gone(sorted(family))
+    finally:
+        for pid in _family(node1.proc.pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        node0.stop()
+        node1.stop()
+
+
+def test_a_rank_stopped_while_idle_fails_the_ping(model_dir):
+    """SIGSTOP of a node-1 rank while no request runs: rank 0's ping (a gloo broadcast, which
+    waits for each receiver) fails within the collective timeout, so node 0 turns 503 and exits
+    with no request sent."""
+    addr = f"127.0.0.1:{free_port()}"
+    node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
+    try:
+        node0.wait_ready()
+        family = _family(node0.proc.pid) + _family(node1.proc.pid)
+        os.kill(_rank_pids(node1)[0], signal.SIGSTOP)
+        statuses = health_until_exit(node0)
+        assert _wait_exit(node0, 1) != 0
+        assert 503 in statuses, statuses
+        assert "heartbeat failed" in node0.log_tail(100_000)
+        assert _wait_exit(node1) != 0
+        _assert_gone(sorted(family))
+    finally:
+        for pid in _family(node1.proc.pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         node0.stop()
         node1.stop()
