@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -167,11 +168,21 @@ class AsyncLLM:
         stats_sink: RequestStatsSink | None = None,
         on_dead: Callable[[str], None] | None = None,
         log_level: str = "INFO",
+        tokenizer: Any = None,
+        env: dict[str, str] | None = None,
+        process_name: str = "tandem-engine",
     ) -> None:
+        """``tokenizer``: reuse one already loaded (replicas share it); ``env``: variables the
+        engine process (and the ranks it spawns) sets before it starts, e.g. a replica's
+        ``CUDA_VISIBLE_DEVICES``."""
         self.engine_args = engine_args
         # Config and tokenizer only: the weights load in the engine process.
         self.config = engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(self.config.model_config.tokenizer)
+        self.tokenizer = tokenizer
+        self.env = dict(env or {})
+        self.process_name = process_name
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -200,6 +211,11 @@ class AsyncLLM:
         return self.config.model_config.max_model_len
 
     @property
+    def replica_stats(self) -> list[EngineStats | None]:
+        """The stats snapshot of each replica: here the one engine's."""
+        return [self.stats]
+
+    @property
     def is_ready(self) -> bool:
         return self.info is not None and self.dead_reason is None
 
@@ -220,15 +236,16 @@ class AsyncLLM:
         self._in_q = ctx.Queue()
         self._out_q = ctx.Queue()
         self._proc = ctx.Process(
-            target=run_engine_core,
+            target=_run_engine_core_in_env,
             args=(
+                self.env,
                 self.engine_args,
                 self._in_q,
                 self._out_q,
                 self.log_level,
                 self.heartbeat_interval_s,
             ),
-            name="tandem-engine",
+            name=self.process_name,
         )
         self._proc.start()
 
@@ -335,14 +352,17 @@ class AsyncLLM:
 
     def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams]]) -> RequestGroup:
         """Validate every request, then submit them all as one group (or none of them)."""
+        return self.submit(self.process(items))
+
+    def process(self, items: Sequence[tuple[str, Prompt, SamplingParams]]) -> list[Request]:
+        """Validate and tokenize one group's requests (raises ``ValueError`` for bad input)."""
         processor = self._check_usable()
         if len(items) > self.max_in_flight:
             raise ValueError(
                 f"this request asks for {len(items)} sequences (prompts x n); the server holds "
                 f"at most {self.max_in_flight} at once"
             )
-        requests = [processor.process(rid, prompt, params) for rid, prompt, params in items]
-        return self.submit(requests)
+        return [processor.process(rid, prompt, params) for rid, prompt, params in items]
 
     def submit(self, requests: list[Request]) -> RequestGroup:
         """Send already validated requests to the engine as one group."""
@@ -480,3 +500,10 @@ class AsyncLLM:
                     now - tracked.submitted, queue_s, out.outputs[0].finish_reason
                 )
         tracked.group._put((tracked.index, out))
+
+
+def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:
+    """The engine process's entry: set ``env`` first (before CUDA starts, and so that the rank
+    processes it spawns inherit it), then run the engine loop."""
+    os.environ.update(env)
+    run_engine_core(*args)

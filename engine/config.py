@@ -105,7 +105,12 @@ def split_host_port(addr: str, name: str = "dist_init_addr") -> tuple[str, int]:
 class ParallelConfig:
     """``tensor_parallel_size`` ranks in all, ``tensor_parallel_size // nnodes`` on each node.
     Node 0 hosts rank 0 and the rendezvous at ``dist_init_addr``; the other nodes run headless
-    ranks (``tandem serve ... --node-rank R``)."""
+    ranks (``tandem serve ... --node-rank R``).
+
+    ``data_parallel_size`` N: N replicas of all that (each its own TP group and engine process)
+    behind one API process (engine/dp_client.py). With ``enable_attention_dp`` it keeps its
+    attention-DP meaning instead: it must equal the attention-DP width (the tensor-parallel
+    size) and creates no replicas."""
 
     tensor_parallel_size: int = 1
     enable_attention_dp: bool = False
@@ -113,6 +118,7 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; needed when nnodes > 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -121,6 +127,24 @@ class ParallelConfig:
             self.tensor_parallel_size,
             ">= 1",
         )
+        dp = self.data_parallel_size
+        _require(
+            isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1,
+            "data_parallel_size",
+            dp,
+            "an integer >= 1",
+        )
+        if self.enable_attention_dp and dp not in (1, self.tensor_parallel_size):
+            raise ValueError(
+                f"data_parallel_size={dp} with enable_attention_dp=True must equal the "
+                f"attention-DP width, tensor_parallel_size={self.tensor_parallel_size} (there it "
+                "means attention DP over the tensor-parallel ranks, not replicas)"
+            )
+        if self.num_replicas > 1 and self.nnodes > 1:
+            raise ValueError(
+                f"data_parallel_size={dp} with nnodes={self.nnodes} is not supported: replicas "
+                "run on node 0 only (start one server per node group instead)"
+            )
         if self.enable_lm_head_tp_in_adp and not self.enable_attention_dp:
             raise ValueError("enable_lm_head_tp_in_adp=True requires enable_attention_dp=True")
         _require(self.nnodes >= 1, "nnodes", self.nnodes, ">= 1")
@@ -142,6 +166,11 @@ class ParallelConfig:
             )
         if self.dist_init_addr is not None:
             split_host_port(self.dist_init_addr)
+
+    @property
+    def num_replicas(self) -> int:
+        """Model replicas behind the API process (1 under attention DP)."""
+        return 1 if self.enable_attention_dp else self.data_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -347,6 +376,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     enable_attention_dp: bool = False
     enable_lm_head_tp_in_adp: bool = False
     nnodes: int = 1
@@ -428,6 +458,7 @@ class EngineArgs:
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
                 dist_init_addr=self.dist_init_addr,
+                data_parallel_size=self.data_parallel_size,
             ),
             device=device,
             speculative_config=spec,

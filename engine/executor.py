@@ -344,6 +344,11 @@ def check_launch(config: EngineConfig, launch: LaunchEnv) -> None:
             f"nnodes={pc.nnodes} starts ranks itself, but this process was started by a "
             "launcher (RANK and WORLD_SIZE are set): use one or the other"
         )
+    if pc.num_replicas > 1:
+        raise ValueError(
+            f"data_parallel_size={pc.data_parallel_size} under a launcher (RANK/WORLD_SIZE "
+            "set) is not supported: tandem starts each replica's ranks itself"
+        )
     if launch.world_size != pc.tensor_parallel_size:
         raise ValueError(
             f"tensor_parallel_size={pc.tensor_parallel_size} but the launcher started "

@@ -24,7 +24,13 @@ class LLM:
                 f"unknown LLM arguments: {sorted(unknown)}; "
                 f"known: {sorted(EngineArgs.field_names() - {'model'})}"
             )
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size > 1 and not args.enable_attention_dp:
+            raise ValueError(
+                f"data_parallel_size={args.data_parallel_size}: replicas run behind the server "
+                "(`tandem serve -dp N`); the offline LLM runs one replica"
+            )
+        self.engine = LLMEngine.from_engine_args(args)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

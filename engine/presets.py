@@ -203,4 +203,5 @@ def _validate_configs(checked: dict[str, Any]) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_attention_dp=args.enable_attention_dp,
         enable_lm_head_tp_in_adp=args.enable_lm_head_tp_in_adp,
+        data_parallel_size=args.data_parallel_size,
     )

@@ -130,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank processes in all (tensor-parallel-size / nnodes on each node)",
     )
     par.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="model replicas (each a tensor-parallel group of its own) behind this one API "
+        "process; a request goes to the replica caching its prompt's prefix unless that one is "
+        "much busier, else to the least loaded. With --enable-attention-dp it must equal -tp "
+        "and means attention DP (no replicas)",
+    )
+    par.add_argument(
         "--nnodes", type=int, default=1, help="nodes the ranks span; start every node alike"
     )
     par.add_argument(
@@ -267,6 +277,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         speculative_config=spec,
         num_kv_blocks=ns.num_kv_blocks,
         tensor_parallel_size=ns.tensor_parallel_size,
+        data_parallel_size=ns.data_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,
         enable_lm_head_tp_in_adp=ns.enable_lm_head_tp_in_adp,
         nnodes=ns.nnodes,

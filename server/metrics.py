@@ -2,12 +2,14 @@
 
 Latencies are observed in the API process as outputs arrive from the engine (``AsyncLLM`` calls
 the ``RequestStatsSink`` methods); engine-side gauges and counters come from the engine's stats
-snapshot, which travels with every step's outputs, and are read at scrape time.
+snapshot, which travels with every step's outputs, and are read at scrape time. With
+data-parallel replicas (``-dp N``) every engine series carries a ``replica`` label ("0".."N-1");
+with one replica the series are labelled by model name only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,34 +43,44 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, model_name: str, source: Callable[[], EngineStats | None]) -> None:
+    """Engine series from each replica's latest stats snapshot (None: not started yet)."""
+
+    def __init__(self, model_name: str, source: Callable[[], Sequence[EngineStats | None]]) -> None:
         self.model_name = model_name
         self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.source()
+        replicas = list(self.source())
+        labels = ["model_name"] if len(replicas) == 1 else ["model_name", "replica"]
+
+        def values(i: int) -> list[str]:
+            return [self.model_name] if len(replicas) == 1 else [self.model_name, str(i)]
+
         for kind, name, doc, value in _ENGINE_METRICS:
             cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = cls(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value(stats)) if stats else 0.0)
+            family = cls(PREFIX + name, doc, labels=labels)
+            for i, stats in enumerate(replicas):
+                family.add_metric(values(i), float(value(stats)) if stats else 0.0)
             yield family
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position.",
-            labels=["model_name", "position"],
+            labels=[*labels, "position"],
         )
-        for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
-            per_pos.add_metric([self.model_name, str(pos)], float(count))
+        for i, stats in enumerate(replicas):
+            for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
+                per_pos.add_metric([*values(i), str(pos)], float(count))
         yield per_pos
 
 
 class ServerMetrics:
-    """The app's metrics; also the ``RequestStatsSink`` ``AsyncLLM`` reports latencies to."""
+    """The app's metrics; also the ``RequestStatsSink`` ``AsyncLLM`` reports latencies to.
+    ``stats_source`` returns every replica's stats snapshot (one entry without ``-dp``)."""
 
     def __init__(
         self,
         model_name: str,
-        stats_source: Callable[[], EngineStats | None],
+        stats_source: Callable[[], Sequence[EngineStats | None]],
         in_flight_source: Callable[[], int] | None = None,
     ) -> None:
         self.model_name = model_name

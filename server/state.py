@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.config import EngineArgs
+from tandem.engine.dp_client import make_engine_client
 from tandem.server.chat import ChatRenderer, resolve_chat_template
 from tandem.server.errors import model_not_found, server_unavailable
 from tandem.server.logprobs import TokenText
@@ -53,9 +53,10 @@ class ServerState:
         if not names and engine_args.model not in self.model_names:
             self.model_names.append(engine_args.model)
         self.metrics = ServerMetrics(
-            self.model_names[0], lambda: self.llm.stats, lambda: self.llm.num_in_flight
+            self.model_names[0], lambda: self.llm.replica_stats, lambda: self.llm.num_in_flight
         )
-        self.llm = AsyncLLM(
+        # One AsyncLLM, or a ReplicatedLLM with the same interface under -dp N.
+        self.llm = make_engine_client(
             engine_args,
             ready_timeout_s=settings.ready_timeout_s,
             heartbeat_timeout_s=settings.heartbeat_timeout_s,

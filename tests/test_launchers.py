@@ -11,12 +11,15 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from server_utils import RemoteServer, free_port, tiny_model
+from tandem.engine.config import ParallelConfig
 from tandem.engine.distributed import LaunchEnv, adopt_slurm_launch
+from tandem.engine.executor import check_launch
 from test_multinode import (
     ENV,
     EXIT_WITHIN_S,
@@ -75,6 +78,18 @@ def test_srun_one_task_per_rank_becomes_the_torch_environment(monkeypatch):
         adopt_slurm_launch(4, 1, None)
     assert adopt_slurm_launch(4, 1, "head:29500")
     assert LaunchEnv.from_env() == LaunchEnv(3, 4, 1, 2, "head:29500")
+
+
+def test_a_launch_refuses_what_starts_ranks_itself():
+    launch = LaunchEnv(1, 2, 1, 2, "head:29500")
+    for kw, match in [
+        ({"data_parallel_size": 2}, "data_parallel_size=2 under a launcher"),
+        ({"nnodes": 2, "node_rank": 1, "dist_init_addr": "h:1"}, "nnodes=2 starts ranks itself"),
+        ({"tensor_parallel_size": 4}, "WORLD_SIZE=2 processes"),
+    ]:
+        args = {"tensor_parallel_size": 2, **kw}
+        with pytest.raises(ValueError, match=match):
+            check_launch(SimpleNamespace(parallel_config=ParallelConfig(**args)), launch)
 
 
 def test_srun_tasks_that_are_not_one_per_rank(monkeypatch):
