@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from server_utils import RemoteServer, child_pids, cmdline, free_port, tiny_model
@@ -180,10 +181,10 @@ def reference(model_dir):
     return one_rank_reference(model_dir)
 
 
-def one_rank_reference(model_dir: Path) -> list[tuple[str, list[str]]]:
+def one_rank_reference(model_dir: Path, **llm_args: str) -> list[tuple[str, list[str]]]:
     """One rank, offline: the greedy texts and tokens (as the API names them) of PROMPTS."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(model_dir), max_model_len=256) as llm:
+    with LLM(str(model_dir), max_model_len=256, **llm_args) as llm:
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     token_text = TokenText(AutoTokenizer.from_pretrained(model_dir))
     return [(o.text, [token_text.text(t) for t in o.token_ids]) for o in outs]
@@ -374,3 +375,20 @@ def test_a_rank_stopped_while_idle_fails_the_ping(model_dir):
                 pass
         node0.stop()
         node1.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_node_launcher_serves_over_nccl(model_dir):
+    """`make gpu-check`: the launcher of this file on one node with NCCL (`--nnodes 1
+    --dist-init-addr`, -tp = the GPUs, at most 4; one rank when one GPU is lent) answers like
+    one rank on the GPU."""
+    tp = 4 if torch.cuda.device_count() >= 4 else 2 if torch.cuda.device_count() >= 2 else 1
+    dtype = {"device": "cuda", "dtype": "float32"}
+    reference = one_rank_reference(model_dir, **dtype)
+    args = ["-tp", str(tp), "--nnodes", "1", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    args += ["--device", "cuda", "--dtype", "float32"]
+    with RemoteServer(model_dir, args, env=ENV) as server:
+        assert served_greedy(server, model_dir) == reference
+        if tp > 1:
+            assert "nccl for tensors" in server.log_tail(1_000_000)
