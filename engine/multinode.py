@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from tandem import __version__
 from tandem.engine.config import EngineConfig, ParallelConfig, split_host_port
+from tandem.engine.speculative.interface import DISABLE_ROW_PICK_ENV, row_pick_disabled_by_env
 
 KEY = "tandem/launch/"
 VERDICT_KEY = KEY + "verdict"
@@ -57,7 +58,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
     """What every node must agree on, by the option that sets it."""
     pc, mc, cc = config.parallel_config, config.model_config, config.cache_config
     spec = config.speculative_config
-    return {
+    out = {
         "--nnodes": str(pc.nnodes),
         "--tensor-parallel-size": str(pc.tensor_parallel_size),
         "--enable-attention-dp": str(pc.enable_attention_dp),
@@ -75,6 +76,11 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
         "CUDA graphs": repr(config.graph_config),
         "tandem version": __version__,
     }
+    if spec is not None:
+        # Read by every rank: a draft layer that picks rows on some ranks only runs collectives
+        # of other shapes than the rest (gloo aborts the step).
+        out[f"${DISABLE_ROW_PICK_ENV}"] = "1" if row_pick_disabled_by_env() else "0"
+    return out
 
 
 def mismatches(

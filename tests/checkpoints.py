@@ -325,11 +325,17 @@ def build_eagle3_draft(
     return folder
 
 
-def make_echo_target(folder: Path) -> None:
+def make_echo_target(folder: Path, residual_scale: float = 0.0) -> None:
     """Turn a Llama checkpoint into one whose greedy next token is always the current one: no
     layer writes to the residual stream, the embedding rows have equal norms and the LM head is
-    the embedding (Cauchy-Schwarz: a row's logit is largest against itself)."""
-    zero_residual_writes(folder)
+    the embedding (Cauchy-Schwarz: a row's logit is largest against itself).
+
+    ``residual_scale`` > 0 keeps the layers' writes, scaled by it: a near-echo target whose
+    attention and MLPs still change some next tokens."""
+    if residual_scale:
+        scale_residual_writes(folder, residual_scale)
+    else:
+        zero_residual_writes(folder)
     state = _read_state(folder)
     embed = state["model.embed_tokens.weight"].float()
     norms = embed.norm(dim=1, keepdim=True).clamp_min(1e-6)  # a padding row stays zero
@@ -340,16 +346,21 @@ def make_echo_target(folder: Path) -> None:
     _write_state(folder, state)
 
 
-def perfect_eagle3_draft(folder: Path, target: Path) -> Path:
+def perfect_eagle3_draft(folder: Path, target: Path, residual_scale: float = 0.0) -> Path:
     """An Eagle3 head that drafts exactly what an echo target (``make_echo_target``) generates:
     ``fc`` passes the first captured hidden state (the current token's embedding) through, the
-    midlayer adds nothing, and its LM head is the target's embedding. Every draft is accepted."""
+    midlayer adds nothing, and its LM head is the target's embedding. Every draft is accepted.
+
+    ``residual_scale`` > 0: the midlayer adds its random attention and MLP outputs scaled by it
+    (a head that is nearly perfect, whose attention and MLP still change some drafts)."""
     build_eagle3_draft(folder, target)
     state = _read_state(folder)
     h = state["norm.weight"].shape[0]
     state["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, 2 * h)], 1)
     for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
-        state[name] = torch.zeros_like(state[name])
+        state[name] = (
+            state[name] * residual_scale if residual_scale else torch.zeros_like(state[name])
+        )
     state["lm_head.weight"] = _read_state(target)["model.embed_tokens.weight"].float().clone()
     _write_state(folder, state)
     return folder
