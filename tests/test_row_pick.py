@@ -122,6 +122,7 @@ def test_decision_capability_signature_switch_and_declines(folders, monkeypatch)
         mtp, ParallelMapping(enable_attention_dp=True), vanilla_mtp=True
     )
     assert draft_layer_picks_rows(mtp, ParallelMapping(enable_attention_dp=True))
+    assert not draft_layer_picks_rows(eagle, m, disabled=True)  # the config switch
     monkeypatch.setenv("TLLM_SPEC_DISABLE_DRAFT_ROW_PICK", "1")
     assert not draft_layer_picks_rows(eagle, m)
 
@@ -134,19 +135,25 @@ def test_resolver_caches_and_reevaluates(folders, monkeypatch) -> None:
     assert r.resolve(eagle, m) is True and r.evaluations == 1  # cached
     assert r.resolve(eagle, m, num_draft_layers=2) is False and r.evaluations == 2  # eligibility
     assert r.resolve(mtp, m) is True and r.evaluations == 3  # another class
+    assert r.resolve(mtp, m, disabled=True) is False and r.evaluations == 4  # the config switch
+    assert r.resolve(mtp, m) is True and r.evaluations == 5
     monkeypatch.setenv("TLLM_SPEC_DISABLE_DRAFT_ROW_PICK", "1")
-    assert r.resolve(mtp, m) is False and r.evaluations == 4  # the switch
+    assert r.resolve(mtp, m) is False and r.evaluations == 6  # the environment switch
 
 
-@pytest.mark.parametrize("disable", [False, True])
-def test_engine_step0_post_attention_rows(folders, monkeypatch, disable: bool) -> None:
-    if disable:
+@pytest.mark.parametrize("disable", [False, "env", "config"])
+def test_engine_step0_post_attention_rows(folders, monkeypatch, disable: bool | str) -> None:
+    """The environment variable and the speculative config's ``disable_draft_row_pick`` both
+    turn row picking off."""
+    if disable == "env":
         monkeypatch.setenv("TLLM_SPEC_DISABLE_DRAFT_ROW_PICK", "1")
     # The hook watches the eager modules; the CPU fast path (which picks the same rows, see
     # tests/test_cpu_decode.py) would bypass them.
     monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")
     target, draft = folders
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    if disable == "config":
+        spec["disable_draft_row_pick"] = True
     with LLM(str(target), speculative_config=spec) as llm:
         midlayer = llm.engine.executor.worker.runner.spec.draft.midlayer
         seen: list[int] = []

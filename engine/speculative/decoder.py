@@ -256,6 +256,7 @@ class SpecDecoder:
             self.mapping,
             num_draft_layers=getattr(draft, "num_layers", 1),
             vanilla_mtp=self.vanilla,
+            disabled=self.config.disable_draft_row_pick,
         )
         advanced = meta.wants_advanced_draft_sampling
         drafts: list[Tensor] = []

@@ -63,12 +63,14 @@ def draft_layer_picks_rows(
     *,
     num_draft_layers: int = 1,
     vanilla_mtp: bool = False,
+    disabled: bool = False,
 ) -> bool:
     """Whether ``layer`` should run its post-attention part on the picked rows only.
 
     Capability (``supports_pick_rows``), the layer class's own ``forward`` taking ``pick_rows``
     (a subclass overriding ``forward`` without it falls back), instance eligibility (an Eagle3
-    draft with more than one layer declines), the environment switch, and declined
+    draft with more than one layer declines), the switches (``disabled``: the speculative
+    config's ``disable_draft_row_pick``; the environment variable), and declined
     configurations (vanilla MTP under attention DP)."""
     if not getattr(type(layer), "supports_pick_rows", False):
         return False
@@ -76,7 +78,7 @@ def draft_layer_picks_rows(
         return False
     if num_draft_layers > 1 and not vanilla_mtp:
         return False
-    if row_pick_disabled_by_env():
+    if disabled or row_pick_disabled_by_env():
         return False
     if vanilla_mtp and mapping.enable_attention_dp:
         return False
@@ -99,17 +101,22 @@ class DraftRowPick:
         *,
         num_draft_layers: int = 1,
         vanilla_mtp: bool = False,
+        disabled: bool = False,
     ) -> bool:
         key = (
             type(layer),
             num_draft_layers,
             vanilla_mtp,
             mapping.enable_attention_dp,
-            row_pick_disabled_by_env(),
+            disabled or row_pick_disabled_by_env(),
         )
         if key != self._key:
             self._value = draft_layer_picks_rows(
-                layer, mapping, num_draft_layers=num_draft_layers, vanilla_mtp=vanilla_mtp
+                layer,
+                mapping,
+                num_draft_layers=num_draft_layers,
+                vanilla_mtp=vanilla_mtp,
+                disabled=disabled,
             )
             self._key = key
             self.evaluations += 1
