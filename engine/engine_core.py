@@ -293,6 +293,12 @@ def run_engine_loop(
             for out in outputs:
                 if out.finished:
                     live.discard(out.request_id)
+            # Requests that ended with an error of their own (a grammar with no way on).
+            take_failed = getattr(engine, "take_failed", None)
+            for rid, message in take_failed() if take_failed is not None else []:
+                live.discard(rid)
+                encoder.forget([rid])
+                out_q.put(RequestsFailed([rid], message))
 
         now = time.monotonic()
         if not outputs and now - last_sent >= heartbeat_interval_s:

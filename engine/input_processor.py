@@ -9,6 +9,7 @@ from typing import Any
 
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import GrammarCompiler, StructuredOutputError
 
 
 class ContextLengthExceededError(ValueError):
@@ -35,6 +36,27 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Travels to the API process without the grammar compiler (built there on first use).
+        return {**self.__dict__, "_grammars": None}
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """Raise ``StructuredOutputError`` if the request's grammar cannot be served (cached by
+        (kind, text), so a schema is compiled once here)."""
+        spec = params.structured
+        if spec is None:
+            return
+        if self.speculative:
+            raise StructuredOutputError(
+                "structured outputs are not supported with speculative decoding yet (this "
+                "server runs with --speculative-config)",
+                spec.param,
+            )
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars.validate(spec)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -70,6 +92,7 @@ class InputProcessor:
                 "presence_penalty, frequency_penalty and repetition_penalty are not supported "
                 "with speculative decoding on this server"
             )
+        self.check_structured(params)
         blocks = -(-(len(ids) + max_tokens + self.lookahead) // self.block_size)
         if blocks > self.num_blocks:
             raise ValueError(

@@ -65,6 +65,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
+                for rid, message in self.engine.take_failed():
+                    raise RuntimeError(f"request {rid} failed: {message}")
         except BaseException:
             self.engine.abort_request([rid for rid, _, _ in pending if rid not in final])
             raise

@@ -17,8 +17,9 @@ from tandem.engine.input_processor import ContextLengthExceededError, InputProce
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import ScheduledRequest, Scheduler
+from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
+from tandem.engine.structured_output import StepMasks, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ class LLMEngine:
         self.step_request_ids: list[str] | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Structured output: grammars compile off the loop; a request waits until its own is
+        # ready. Requests that failed there (or whose grammar reached a dead end) are reported by
+        # ``take_failed`` and never finish normally.
+        self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.failed: list[tuple[str, str]] = []
+        self.bitmask_width = -(-max(mc.vocab_size, len(self.tokenizer)) // 32)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -134,16 +141,41 @@ class LLMEngine:
             else self.make_request(request_id, prompt, params or SamplingParams())
         )
         p = request.params
-        self.detok[request.request_id] = Detokenizer(
-            self.tokenizer, p.skip_special_tokens, p.stop_strings
-        )
+        rid = request.request_id
+        if rid in self.rank_of or rid in self.structured.pending:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if p.structured is not None and self.num_spec_tokens:
+            raise ValueError("structured output is not supported with speculative decoding yet")
+        self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
+        if p.structured is not None:
+            self.structured.submit(request)  # scheduled once its grammar is compiled
+        else:
+            self._schedule_request(request)
+        return request
+
+    def _schedule_request(self, request: Request) -> None:
         rank = self._least_loaded_rank()
-        if request.request_id in self.rank_of:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
         self.schedulers[rank].add(request)
         self.rank_of[request.request_id] = rank
         self.prompt_tokens_total += request.num_prompt_tokens
-        return request
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> None:
+        """Schedule the requests whose grammar is compiled; fail those whose grammar failed."""
+        ready, failed = self.structured.ready(wait_s)
+        for request in ready:
+            self._schedule_request(request)
+        for request, message in failed:
+            self._fail(request.request_id, message)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        """End a request with an error (``take_failed`` reports it)."""
+        self.abort_request(request_id)
+        self.failed.append((request_id, message))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """(request id, reason) of the requests that ended with an error since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _least_loaded_rank(self) -> int:
         """The DP rank with the fewest unfinished requests (lowest rank on ties)."""
@@ -156,9 +188,10 @@ class LLMEngine:
             if rank is not None:
                 self.schedulers[rank].abort(rid)
             self.detok.pop(rid, None)
+            self.structured.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        return bool(self.structured.pending) or any(s.has_unfinished() for s in self.schedulers)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block, on every DP rank."""
@@ -168,7 +201,11 @@ class LLMEngine:
     # -------------------------------------------------------------- step
 
     def _step_input(
-        self, scheduled: list[ScheduledRequest], finished: list[str], propose_drafts: bool = True
+        self,
+        scheduled: list[ScheduledRequest],
+        finished: list[str],
+        propose_drafts: bool = True,
+        masks: dict[str, Any] | None = None,
     ) -> StepInput:
         steps = []
         for s in scheduled:
@@ -196,6 +233,7 @@ class LLMEngine:
                         if self.vanilla_mtp and not sample
                         else []
                     ),
+                    token_bitmask=masks.get(r.request_id) if masks and sample else None,
                 )
             )
         return StepInput(steps, finished, propose_drafts)
@@ -203,9 +241,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that advanced or finished."""
         self.step_request_ids = None
+        if self.structured.pending:
+            # Nothing else to run: wait a little for a grammar rather than spin.
+            idle = not any(s.has_unfinished() for s in self.schedulers)
+            self._admit_compiled(wait_s=0.01 if idle else 0.0)
         scheds = [s.schedule() for s in self.schedulers]
         scheduled = [s for sched in scheds for s in sched.scheduled]
         self.step_request_ids = [s.request.request_id for s in scheduled]
+        masks = self._bitmasks(scheds) if self.structured.matchers else StepMasks({}, {})
         if not scheduled:
             if any(sched.finished_request_ids for sched in scheds):
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
@@ -215,7 +258,7 @@ class LLMEngine:
         # ranks): their drafts cost more than they save once the step is compute-bound.
         propose = self.disable_spec_at is None or len(scheduled) < self.disable_spec_at
         inputs = [
-            self._step_input(sched.scheduled, sched.finished_request_ids, propose)
+            self._step_input(sched.scheduled, sched.finished_request_ids, propose, masks.masks)
             for sched in scheds
         ]
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
@@ -227,6 +270,9 @@ class LLMEngine:
         for i, rid in enumerate(result.request_ids):
             request = by_id[rid]
             if request.is_finished:  # aborted while the step ran
+                continue
+            if rid in masks.dead:
+                self._fail(rid, masks.dead[rid])
                 continue
             emitted = result.token_ids[i]
             if self.num_spec_tokens:
@@ -245,8 +291,12 @@ class LLMEngine:
                 if lps is not None:
                     request.logprobs.append(lps[j])
                 status = self._check_stop(request, token)
-                if status is not None:
+                if status is None and self.structured.is_constrained(rid):
+                    status = self._advance_grammar(request, token)
+                if status is not None or request.is_finished:
                     break
+            if request.is_finished:  # its grammar failed
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             # Its blocks are registered now that the KV rewind and the accepted tokens are in
@@ -266,10 +316,34 @@ class LLMEngine:
             outputs.append(self._make_output(request))
             if status is not None:
                 self.detok.pop(rid, None)
+                self.structured.forget(rid)
         # Prefill chunks that sampled nothing this step.
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])
         return outputs
+
+    def _bitmasks(self, scheds: list[SchedulerOutput]) -> StepMasks:
+        """The grammar bitmask of every constrained request this step samples; those whose
+        grammar allows no token (``dead``) run unmasked and fail after the step."""
+        ids = [
+            s.request.request_id
+            for sched in scheds
+            for s in sched.scheduled
+            if s.samples and self.structured.is_constrained(s.request.request_id)
+        ]
+        if not ids:
+            return StepMasks({}, {})
+        return self.structured.masks(ids, self.bitmask_width)
+
+    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
+        """Feed ``token`` to the request's matcher: a complete grammar stops it; a token the
+        grammar refuses fails it."""
+        result = self.structured.advance(request.request_id, token)
+        if result == "stop":
+            return RequestStatus.FINISHED_STOPPED
+        if result is not None:
+            self._fail(request.request_id, result)
+        return None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
@@ -342,7 +416,11 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            # None until a constrained request came (the snapshot travels with every step).
+            grammar_compile_time=self.structured.compile_times,
+            grammar_mask_time=self.structured.mask_times.copy() if self.structured.used else None,
         )
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -25,6 +25,7 @@ from tandem.engine.sampler import (
     GREEDY_EPS,
     RowSamplingInfo,
     SamplingTensors,
+    apply_token_bitmask,
     compute_logprobs,
     sample,
 )
@@ -407,6 +408,9 @@ class ModelRunner:
             return StepOutput([], [], [])
         # sample() widens to float32 itself where it needs to (not for plain greedy rows).
         logits = self.model.compute_logits(hidden[inp.logits_indices])
+        masks = [r.token_bitmask for r in inp.sampled]
+        if any(m is not None for m in masks):  # structured output (no cost otherwise)
+            logits = apply_token_bitmask(logits, self._bitmask_rows(masks))
         out = sample(logits, self.sampling_tensors(inp.sampled))
         if out.logprobs is None:
             (ids_rows,) = host_rows(out.token_ids)  # the step's one host sync
@@ -425,6 +429,15 @@ class ModelRunner:
                         TokenLogprobs(token_ids[i], chosen[i], top_ids[i][:n], top_lp[i][:n])
                     ]
         return StepOutput([r.request_id for r in inp.sampled], [[t] for t in token_ids], logprobs)
+
+    def _bitmask_rows(self, masks: list[torch.Tensor | None]) -> torch.Tensor:
+        """[B, W] int32 bitmask of the sampled rows; all ones for unconstrained rows."""
+        width = max(m.shape[0] for m in masks if m is not None)
+        rows = torch.full((len(masks), width), -1, dtype=torch.int32)
+        for i, m in enumerate(masks):
+            if m is not None:
+                rows[i, : m.shape[0]] = m
+        return rows.to(self.device, non_blocking=True)
 
     def scan_sampling_path(self, meta: SpecMetadata, local_all_greedy: bool) -> None:
         """The step's sampling path, before anything (the CUDA-graph key included) reads it:
@@ -461,6 +474,9 @@ class ModelRunner:
             return StepOutput([], [], [])
         layout = inp.layout
         assert layout is not None and inp.next_tokens is not None
+        if any(r.token_bitmask is not None for r in inp.sampled):
+            # The API refuses these; never run a grammar unconstrained.
+            raise ValueError("structured output is not supported with speculative decoding yet")
         st = self.sampling_tensors(inp.sampled)
         meta = self.spec_meta
         assert meta is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine.request import SpecStats, TokenLogprobs
+from tandem.engine.structured_output import Histogram
 
 
 @dataclass
@@ -45,6 +46,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # Structured output, cumulative histograms (seconds): grammar compile time per grammar,
+    # bitmask time per step that had constrained requests.
+    grammar_compile_time: Histogram | None = None
+    grammar_mask_time: Histogram | None = None
 
 
 # ------------------------------------------------------------------ the engine process's queue

@@ -11,7 +11,9 @@ Semantics follow what users know from OpenAI / Hugging Face / vLLM:
 - repetition penalty covers prompt + output tokens: logit > 0 -> logit / p, else logit * p;
 - order for random rows: penalties -> temperature -> min_p -> top-k -> top-p -> softmax;
 - greedy rows (temperature 0) take the argmax of the penalised logits;
-- reported logprobs are those of the RAW model logits.
+- reported logprobs are those of the RAW model logits;
+- structured output: the model runner masks a constrained row's logits with its grammar's bitmask
+  (`apply_token_bitmask`) before `sample`, so every stage and the logprobs see the masked row.
 """
 
 from __future__ import annotations
@@ -239,6 +241,21 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     drop[:, 0] = False  # never empty a row
     mask = torch.empty_like(drop).scatter_(-1, order, drop)  # back to vocabulary order
     return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """Mask to -inf every token a row's bitmask does not allow (structured output).
+
+    logits: [B, V]; bitmask: [B, W] int32, bit j of word i allows token 32 i + j (all ones for
+    an unconstrained row). Tokens past 32 W are not allowed. Returns a new tensor.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1).bool()  # [B, 32 W]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
 
 
 def random_sample(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.engine.structured_output import StructuredSpec
+
 MAX_LOGPROBS = 20
 
 
@@ -28,6 +30,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained generation (JSON schema, regex, ...): see engine/structured_output.py.
+    structured: StructuredSpec | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -68,6 +72,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         self.stop_token_ids = ids
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise bad("structured", self.structured, "must be a StructuredSpec or None")
 
     @property
     def greedy(self) -> bool:

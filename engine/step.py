@@ -37,6 +37,9 @@ class RequestStep:
     next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt
     # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
     future_tokens: list[int] = field(default_factory=list)
+    # Structured output: the tokens the grammar allows next, [ceil(V / 32)] int32 bits (None:
+    # unconstrained). Set only when sample.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass

@@ -12,10 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tandem.engine.outputs import EngineStats
+from tandem.engine.structured_output import GRAMMAR_TIME_BUCKETS
+from tandem.engine.structured_output import Histogram as StatsHistogram
 
 PREFIX = "tandem:"
 LATENCY_BUCKETS = (
@@ -71,6 +78,27 @@ class _EngineStatsCollector(Collector):
             for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
                 per_pos.add_metric([*values(i), str(pos)], float(count))
         yield per_pos
+        for name, doc, field in _ENGINE_HISTOGRAMS:
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
+            for i, stats in enumerate(replicas):
+                hist = getattr(stats, field) if stats else None
+                if hist is None:  # no constrained request yet
+                    hist = StatsHistogram(GRAMMAR_TIME_BUCKETS)
+                family.add_metric(values(i), _buckets(hist), hist.total)
+            yield family
+
+
+# (name, help, EngineStats field holding a cumulative histogram)
+_ENGINE_HISTOGRAMS = (
+    ("grammar_compile_time_seconds", "Time to compile a structured-output grammar (engine; cache misses).", "grammar_compile_time"),
+    ("grammar_bitmask_time_seconds", "Time per step spent computing grammar token bitmasks.", "grammar_mask_time"),
+)  # fmt: skip
+
+
+def _buckets(hist: StatsHistogram) -> list[tuple[str, float]]:
+    """A stats histogram as Prometheus buckets (cumulative counts, ending with +Inf)."""
+    out = [(repr(float(b)), float(c)) for b, c in zip(hist.buckets, hist.counts, strict=True)]
+    return [*out, ("+Inf", float(hist.count))]
 
 
 class ServerMetrics:

@@ -56,6 +56,32 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # OpenAI's padding field: only false is served
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema`` (OpenAI structured outputs)."""
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """``{"type": "text" | "json_object" | "json_schema"}``; json_schema carries the schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's dialect)
+
+
 class SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -77,6 +103,9 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Constrained output: OpenAI's response_format, or vLLM's structured_outputs extension.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Informational: they do not change what is generated.
     user: str | None = None
     safety_identifier: str | None = None
@@ -148,10 +177,6 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
 
-class ResponseFormat(StrictModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -163,7 +188,6 @@ class ChatCompletionRequest(SamplingFields):
     # (--trust-request-chat-template). Rendered in the same sandbox as the server's own.
     chat_template: str | None = None
     # Declared by OpenAI, not implemented here.
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -178,8 +202,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise unsupported("response_format", "Only {'type': 'text'} is served.")
         if self.tools:
             raise unsupported("tools")
         if self.tool_choice not in (None, "none", "auto"):

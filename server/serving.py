@@ -28,6 +28,7 @@ from tandem.engine.async_llm import (
 from tandem.engine.input_processor import ContextLengthExceededError
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutputError, StructuredSpec
 from tandem.server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
 from tandem.server.protocol import SamplingFields
 
@@ -51,6 +52,60 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
+def _dumps(schema: dict[str, Any], param: str) -> str:
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        raise bad_request("the schema is nested too deeply", param) from None
+
+
+def structured_spec(req: SamplingFields) -> StructuredSpec | None:
+    """``response_format`` / ``structured_outputs`` -> what the output must match (400 if both
+    constrain it, or if ``structured_outputs`` sets other than exactly one field)."""
+    rf, so = req.response_format, req.structured_outputs
+    specs: list[StructuredSpec] = []
+    if rf is not None and rf.type == "json_object":
+        specs.append(StructuredSpec("json_object", param="response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request(
+                "response_format of type 'json_schema' needs json_schema.schema",
+                "response_format.json_schema",
+            )
+        text = _dumps(rf.json_schema.schema_, "response_format.json_schema")
+        specs.append(StructuredSpec("json_schema", text, "response_format.json_schema"))
+    elif rf is not None and rf.json_schema is not None:
+        raise bad_request(
+            "response_format.json_schema needs type 'json_schema'", "response_format.type"
+        )
+    if so is not None:
+        given = [n for n, v in so if v is not None and v is not False]
+        if len(given) != 1:
+            raise bad_request(
+                f"structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {len(given)}",
+                "structured_outputs",
+            )
+        name = given[0].rstrip("_")
+        param = f"structured_outputs.{name}"
+        if name == "json":
+            value = so.json_
+            text = value if isinstance(value, str) else _dumps(value, param)
+            specs.append(StructuredSpec("json_schema", text, param))
+        elif name == "json_object":
+            specs.append(StructuredSpec("json_object", param=param))
+        elif name == "choice":
+            specs.append(StructuredSpec.choice(so.choice or [], param))
+        else:
+            specs.append(StructuredSpec(name, getattr(so, name), param))  # type: ignore[arg-type]
+    if len(specs) > 1:
+        raise bad_request(
+            "response_format and structured_outputs both constrain the output; send one",
+            "structured_outputs",
+        )
+    return specs[0] if specs else None
+
+
 def build_sampling_params(
     req: SamplingFields,
     defaults: dict[str, Any],
@@ -68,6 +123,7 @@ def build_sampling_params(
         return defaults.get(name, fallback)
 
     try:
+        structured = structured_spec(req)
         return SamplingParams(
             n=req.n,
             temperature=pick("temperature", 1.0),
@@ -86,6 +142,7 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured=structured,
         )
     except ValueError as e:
         raise engine_error_to_api(e, param_names=param_names) from e
@@ -109,6 +166,8 @@ def engine_error_to_api(
         return server_unavailable(str(e), "request_aborted")
     if isinstance(e, RequestFailedError | EngineError):
         return server_fault(str(e))
+    if isinstance(e, StructuredOutputError):
+        return bad_request(str(e), e.param)
     if isinstance(e, ValueError):
         m = _PARAM_IN_MESSAGE.match(str(e))
         param = m.group(1) if m else prompt_param

@@ -186,7 +186,6 @@ def test_text_parts_are_accepted(http):
     [
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "required"),
-        ("chat", "response_format", {"type": "json_object"}),
         ("chat", "functions", [{"name": "f"}]),
         ("chat", "logit_bias", {"5": 10}),
         ("chat", "audio", {"voice": "alloy", "format": "wav"}),

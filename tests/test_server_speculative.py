@@ -87,3 +87,26 @@ def test_penalties_are_refused_under_speculation(server, model_dir):
         client.completions.create(
             model=model_dir.name, prompt=PROMPT, max_tokens=4, presence_penalty=0.5
         )
+
+
+def test_structured_output_is_refused_under_speculation(server, model_dir):
+    """Grammar + speculation is a later milestone (issue 34): a clear 400, never an unconstrained
+    answer; the server keeps serving."""
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": PROMPT}]
+    for kw in (
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"structured_outputs": {"regex": "[a-z]+"}}},
+    ):
+        with pytest.raises(openai.BadRequestError, match="not supported with speculative") as e:
+            client.chat.completions.create(model=model_dir.name, messages=msgs, max_tokens=4, **kw)
+        assert e.value.body["param"] in ("response_format", "structured_outputs.regex")
+    with pytest.raises(openai.BadRequestError, match="not supported with speculative"):
+        client.completions.create(
+            model=model_dir.name,
+            prompt=PROMPT,
+            max_tokens=4,
+            extra_body={"response_format": {"type": "json_object"}},
+        )
+    resp = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=4)
+    assert resp.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,345 @@
+"""Grammar-constrained generation (JSON schema, JSON object, regex, choice, Lark grammar).
+
+The grammar engine is llguidance (a maintained library: JSON schema, regex and Lark grammars to
+token masks; nothing here turns a schema into a grammar by hand). A ``StructuredSpec`` travels
+with a request's ``SamplingParams``; the API process validates it (``GrammarCompiler.validate``)
+so bad input is a 400 before it reaches the engine. The engine process keeps one matcher per
+constrained request (``StructuredOutputManager``): grammars compile on a thread pool, cached by
+(kind, text), while other requests keep running; each step it fills the token bitmask of every
+constrained request the step samples, and it advances the matchers with the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+# Longest schema / regex / grammar text accepted (characters); longer ones are refused.
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+GRAMMAR_CACHE_SIZE = 256
+COMPILE_THREADS = 2
+# Compile and per-step mask time histograms (seconds).
+GRAMMAR_TIME_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# JSON as OpenAI's strict mode writes it: no free whitespace (a sampled model cannot pad the
+# output with spaces forever).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output spec that cannot be served: "{param}: {detail}", where ``param``
+    names the request field."""
+
+    def __init__(self, detail: str, param: str) -> None:
+        super().__init__(f"{param}: {detail}")
+        self.detail = detail
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a constrained request must match. ``text`` is the JSON schema (``json_schema``), the
+    regex, the Lark grammar, or a JSON list of strings (``choice``); empty for ``json_object``.
+    ``param`` is the request field it came from (for error messages)."""
+
+    kind: Kind
+    text: str = ""
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise StructuredOutputError(
+                f"the kind {self.kind!r} is invalid; allowed: {', '.join(KINDS)}",
+                self.param,
+            )
+        if not isinstance(self.text, str):
+            raise StructuredOutputError("must be text", self.param)
+        if len(self.text) > MAX_SPEC_CHARS:
+            raise StructuredOutputError(
+                f"too large: {len(self.text)} characters; this server accepts at most "
+                f"{MAX_SPEC_CHARS}",
+                self.param,
+            )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.text)
+
+    @classmethod
+    def choice(cls, options: list[str], param: str = "structured_outputs.choice") -> StructuredSpec:
+        if not options or len(options) > MAX_CHOICES:
+            raise StructuredOutputError(
+                f"needs 1 to {MAX_CHOICES} strings, got {len(options)}", param
+            )
+        if any(not isinstance(o, str) or not o for o in options):
+            raise StructuredOutputError("must hold non-empty strings", param)
+        return cls("choice", json.dumps(options), param)
+
+
+def to_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar for ``spec`` (raises ``StructuredOutputError`` on unreadable
+    input; unsupported features are reported when the grammar is built)."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if spec.kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if spec.kind == "json_schema":
+            schema = json.loads(spec.text)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            return m.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if spec.kind == "regex":
+            return m.grammar_from_regex(spec.text)
+        if spec.kind == "choice":
+            options = json.loads(spec.text)
+            # A Lark string literal takes JSON's escapes.
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        return m.grammar_from_lark(spec.text)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise StructuredOutputError(f"invalid: {e}", spec.param) from None
+
+
+def build_ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
+    """llguidance's view of a Hugging Face fast tokenizer, ``vocab_size`` wide (the model's
+    logits; ids the tokenizer lacks are never allowed). Costs ~0.1-0.3 s: build it once."""
+    import llguidance.hf
+
+    eos = sorted(eos_token_ids) or None
+    n_vocab = max(vocab_size, len(tokenizer))
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+
+
+def compile_matcher(ll_tokenizer: Any, spec: StructuredSpec) -> Any:
+    """A fresh ``LLMatcher`` for ``spec``; raises ``StructuredOutputError`` naming what is wrong
+    (unsupported schema keys, a bad regex, a grammar that matches nothing)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(ll_tokenizer, to_grammar(spec), log_level=0)
+    if matcher.is_error():
+        raise StructuredOutputError(f"cannot be used: {matcher.get_error().strip()}", spec.param)
+    # A grammar that matches no text at all fails at its first mask.
+    matcher.compute_bitmask()
+    if matcher.is_error():
+        raise StructuredOutputError(
+            "cannot be used: it matches no text (the grammar allows no first token)", spec.param
+        )
+    matcher.reset()
+    return matcher
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer, caching the compiled grammar (a pristine matcher that
+    is deep-copied per request) and compile errors by (kind, text), LRU."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+    ) -> None:
+        self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compile_times = Histogram(GRAMMAR_TIME_BUCKETS)
+
+    def template(self, spec: StructuredSpec) -> Any:
+        """The compiled grammar of ``spec`` (cached; compiled once even when several threads ask
+        for it at the same time)."""
+        with self._lock:
+            entry = self._cache.get(spec.key)
+            owner = entry is None
+            if owner:
+                entry = self._cache[spec.key] = Future()
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec.key)
+        if owner:
+            start = time.perf_counter()
+            try:
+                entry.set_result(compile_matcher(self.ll_tokenizer, spec))
+            except StructuredOutputError as e:
+                entry.set_result(e)
+            except BaseException as e:  # not the grammar's fault: do not cache it
+                with self._lock:
+                    self._cache.pop(spec.key, None)
+                entry.set_exception(e)
+                raise
+            with self._lock:
+                self.compile_times.observe(time.perf_counter() - start)
+        hit = entry.result()
+        if isinstance(hit, StructuredOutputError):
+            raise StructuredOutputError(hit.detail, spec.param)
+        return hit
+
+    def validate(self, spec: StructuredSpec) -> None:
+        """Raise ``StructuredOutputError`` if ``spec`` cannot be served."""
+        self.template(spec)
+
+    def matcher(self, spec: StructuredSpec) -> Any:
+        """A matcher of its own for one request."""
+        return self.template(spec).deep_copy()
+
+
+@dataclass
+class Histogram:
+    """Cumulative observations in fixed buckets (``counts[i]``: values <= ``buckets[i]``), as a
+    stats snapshot can carry them to Prometheus."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(self.buckets, list(self.counts), self.total, self.count)
+
+
+@dataclass
+class StepMasks:
+    """One step's bitmasks: ``masks[request_id]`` is a [ceil(V / 32)] int32 tensor (bit j of word
+    i allows token 32 i + j); ``dead`` are requests whose grammar allows no token now."""
+
+    masks: dict[str, torch.Tensor]
+    dead: dict[str, str]
+
+
+class StructuredOutputManager:
+    """The engine side: compiles grammars off the step loop and owns each constrained request's
+    matcher. A request is ``pending`` until its grammar is compiled; the engine schedules it only
+    once ``ready`` returns it."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._args = (tokenizer, vocab_size, eos_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.pending: dict[str, tuple[Any, Future[Any]]] = {}  # id -> (request, its matcher)
+        self.matchers: dict[str, Any] = {}
+        self.mask_times = Histogram(GRAMMAR_TIME_BUCKETS)
+        self._executor: Any = None
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(*self._args)
+            return self._compiler
+
+    @property
+    def used(self) -> bool:
+        """Whether any constrained request came."""
+        return self._compiler is not None
+
+    @property
+    def compile_times(self) -> Histogram | None:
+        """A copy of the compile time histogram (None before the first grammar)."""
+        if self._compiler is None:
+            return None
+        with self._compiler._lock:
+            return self._compiler.compile_times.copy()
+
+    def submit(self, request: Any) -> None:
+        """Start compiling ``request``'s grammar; it waits in ``pending`` meanwhile."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        spec = request.params.structured
+        self.pending[request.request_id] = (request, self._pool.submit(self._matcher, spec))
+
+    def _matcher(self, spec: StructuredSpec) -> Any:
+        return self.compiler.matcher(spec)
+
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """Pending requests whose grammar is compiled (their matcher is kept), and those whose
+        grammar failed, with the reason. ``wait_s``: wait that long for the first one."""
+        if wait_s > 0 and self.pending:
+            futures = [f for _, f in self.pending.values()]
+            wait_futures(futures, timeout=wait_s, return_when="FIRST_COMPLETED")
+        ok, failed = [], []
+        for rid, (request, future) in list(self.pending.items()):
+            if not future.done():
+                continue
+            del self.pending[rid]
+            try:
+                self.matchers[rid] = future.result()
+                ok.append(request)
+            except Exception as e:  # a compile error: fail this request only
+                failed.append((request, str(e)))
+        return ok, failed
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self.matchers
+
+    def masks(self, request_ids: list[str], width: int) -> StepMasks:
+        """The next-token bitmask of each request (all of them constrained)."""
+        import llguidance
+        import llguidance.torch
+        import torch
+
+        start = time.perf_counter()
+        bitmask = torch.zeros((len(request_ids), width), dtype=torch.int32)
+        matchers = [self.matchers[rid] for rid in request_ids]
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(COMPILE_THREADS)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
+        out = StepMasks({}, {})
+        allowed = bitmask.ne(0).any(dim=1).tolist()
+        for i, rid in enumerate(request_ids):
+            m = matchers[i]
+            if m.is_error() or not allowed[i]:
+                out.dead[rid] = (
+                    "the structured output's grammar allows no token here "
+                    f"({m.get_error() or 'no token of this model continues the text'})"
+                )
+            else:
+                out.masks[rid] = bitmask[i].clone()
+        self.mask_times.observe(time.perf_counter() - start)
+        return out
+
+    def advance(self, request_id: str, token_id: int) -> str | None:
+        """Feed an emitted token to the request's matcher. Returns "stop" when the grammar is
+        complete (nothing but EOS may follow), an error message if the token was not allowed,
+        else None."""
+        m = self.matchers[request_id]
+        if not m.consume_token(token_id):
+            return f"the sampled token {token_id} broke the grammar: {m.get_error()}"
+        return "stop" if m.is_stopped() else None
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.matchers.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
