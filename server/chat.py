@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -72,6 +73,7 @@ class ChatRenderer:
     """Renders a conversation into the prompt text the model was trained on."""
 
     def __init__(self, template: str, tokenizer: Any) -> None:
+        self.source = template
         try:
             self.template = _environment().from_string(template)
         except jinja2.TemplateSyntaxError as e:
@@ -81,12 +83,17 @@ class ChatRenderer:
             value = getattr(tokenizer, name, None)
             self.special_tokens[name] = value if isinstance(value, str) else ""
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         try:
             return self.template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 **self.special_tokens,
             )
@@ -98,8 +105,13 @@ class ChatRenderer:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from e
 
 
-def messages_for_template(messages: list[Any]) -> list[dict[str, Any]]:
-    """Protocol messages -> plain dicts; text parts are joined with newlines."""
+def messages_for_template(
+    messages: list[Any], calls_as_text: Callable[[list[dict[str, Any]]], str] | None = None
+) -> list[dict[str, Any]]:
+    """Protocol messages -> plain dicts; text parts are joined with newlines. An assistant's
+    ``tool_calls`` keep OpenAI's shape with the arguments parsed (as Hugging Face templates
+    expect them); ``calls_as_text`` also writes them into the content, for templates that do
+    not render ``tool_calls``."""
     out = []
     for m in messages:
         content = m.content
@@ -111,5 +123,18 @@ def messages_for_template(messages: list[Any]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [c.model_dump() for c in m.tool_calls]
+            for c in calls:
+                try:
+                    c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+                except json.JSONDecodeError:
+                    pass  # the template gets the text as the client sent it
+            d["tool_calls"] = calls
+            if calls_as_text is not None:
+                text = calls_as_text([c.model_dump() for c in m.tool_calls])
+                d["content"] = f"{content}\n{text}" if content else text
         out.append(d)
     return out

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", nargs="+", default=None, help="name(s) clients use for the model"
     )
     http.add_argument("--chat-template", default=None, help="Jinja chat template file")
+    http.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="how tool calls are read from the output (default: the chat template's format)",
+    )
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     http.add_argument(
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the engine to load"
@@ -355,6 +361,7 @@ def serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key or None,
         served_model_names=list(ns.served_model_name or []),
         chat_template=ns.chat_template,
+        tool_call_parser=ns.tool_call_parser,
         ready_timeout_s=ns.ready_timeout,
         heartbeat_timeout_s=ns.engine_heartbeat_timeout,
         log_level=level,

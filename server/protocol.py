@@ -171,10 +171,45 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionDef(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(StrictModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallMessage(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChosenFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    refusal: str | None = None  # echoed back by clients that resend a response's message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -188,8 +223,8 @@ class ChatCompletionRequest(SamplingFields):
     # (--trust-request-chat-template). Rendered in the same sandbox as the server's own.
     chat_template: str | None = None
     # Declared by OpenAI, not implemented here.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -202,10 +237,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise unsupported("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice")
+        self._check_tools()
         if self.functions:
             raise unsupported("functions")
         if self.function_call not in (None, "none", "auto"):
@@ -218,11 +250,46 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise bad_request(
+                    f"messages[{i}].tool_call_id is required for role 'tool'",
+                    f"messages[{i}].tool_call_id",
+                )
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}].tool_calls is only for role 'assistant'",
+                    f"messages[{i}].tool_calls",
+                )
             if m.content is None and m.role != "assistant":
                 raise bad_request(
                     f"messages[{i}].content is required for role '{m.role}'",
                     f"messages[{i}].content",
                 )
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise bad_request("tools must have distinct function names", "tools")
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise bad_request("tool_choice needs tools to choose from", "tool_choice")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise bad_request(
+                    "tool_choice and response_format both constrain the output; send one",
+                    "tool_choice",
+                )
+            if self.structured_outputs is not None:
+                raise bad_request(
+                    "tool_choice and structured_outputs both constrain the output; send one",
+                    "tool_choice",
+                )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(
+                f"tool_choice names function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(names)})",
+                "tool_choice",
+            )
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,8 @@ from tandem.server.serving import (
     usage,
 )
 from tandem.server.state import ServerState
+from tandem.server.tool_parsers import ToolParser, ToolStream
+from tandem.server.tools import ToolPlan, hermes_text, plan_tools, template_uses
 
 # SamplingParams' names -> this endpoint's names, for error messages.
 _PARAM_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
@@ -46,17 +49,28 @@ def render_chat_prompt(
     messages: list[Any],
     add_generation_prompt: bool,
     template: str | None = None,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
     """Messages -> prompt token ids through the chat template (400 if it cannot render).
-    ``template`` is the request's own (see ``request_renderer``)."""
+    ``template`` is the request's own (see ``request_renderer``); ``tools`` reach the template,
+    or a system message when the template does not use them (server/tools.py)."""
     renderer = state.renderer if template is None else request_renderer(state, template)
     if renderer is None:
         raise bad_request(
             "this model has no chat template; start the server with --chat-template FILE",
             "messages",
         )
+    knows_calls = template_uses(renderer.source, "tool_calls")
+    dicts = messages_for_template(messages, None if knows_calls else hermes_text)
+    if tools is not None and tools.tools and not template_uses(renderer.source, "tools"):
+        if tools.choice != "none":
+            system = tools.system_prompt()
+            if dicts and dicts[0]["role"] == "system":
+                dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{system}"}
+            else:
+                dicts.insert(0, {"role": "system", "content": system})
     try:
-        text = renderer.render(messages_for_template(messages), add_generation_prompt)
+        text = renderer.render(dicts, add_generation_prompt, tools.tools if tools else None)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
     # The template writes any BOS itself.
@@ -73,6 +87,7 @@ class ChatHandler:
         self.n = req.n
         self.want_logprobs = bool(req.logprobs)
         self.prompt_ids: list[int] = []
+        self.tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
 
     def submit(self) -> RequestGroup:
         req = self.req
@@ -83,8 +98,11 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
             param_names=_PARAM_NAMES,
         )
+        forced = self.tools.grammar()
+        if forced is not None:
+            params = dataclasses.replace(params, structured=forced)
         self.prompt_ids = render_chat_prompt(
-            self.state, req.messages, req.add_generation_prompt, req.chat_template
+            self.state, req.messages, req.add_generation_prompt, req.chat_template, self.tools
         )
         items = [
             (f"{self.request_id}-{j}", self.prompt_ids, params.child(j) if self.n > 1 else params)
@@ -107,16 +125,26 @@ class ChatHandler:
             logprobs = None
             if self.want_logprobs:
                 logprobs = chat_logprobs(c.logprobs or [], self.state.token_text)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            finish = c.finish_reason
+            if self.tools.parses:
+                parsed = self._parser().parse(c.text)
+                calls = parsed.tool_calls[: None if self.tools.parallel else 1]
+                if calls:
+                    message["content"] = parsed.content or None
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
             choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                }
+                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             )
         return envelope(
             self, "chat.completion", choices, usage=self._usage(outs), system_fingerprint=None
+        )
+
+    def _parser(self) -> ToolParser:
+        renderer = self.state.renderer
+        return self.tools.parser(
+            renderer.source if renderer else None, self.state.settings.tool_call_parser
         )
 
     # -------------------------------------------------------------- streaming
@@ -131,6 +159,8 @@ class ChatHandler:
         sent_text = [""] * self.n
         sent_tokens = [0] * self.n
         last: dict[int, RequestOutput] = {}
+        streams = [self._parser().stream() for _ in range(self.n)] if self.tools.parses else []
+        num_calls = [0] * self.n
         try:
             for i in range(self.n):
                 role = {"role": "assistant", "content": ""}
@@ -148,13 +178,21 @@ class ChatHandler:
                     continue
                 sent_text[i] += delta
                 sent_tokens[i] = len(c.token_ids)
+                message: dict[str, Any] = {"content": delta} if delta else {}
+                finish = c.finish_reason if out.finished else None
+                if streams:
+                    message, finish = self._tool_delta(
+                        streams[i], delta, out.finished, finish, num_calls, i
+                    )
+                    if not (message or new_lps or out.finished):
+                        continue  # text held back: it may start a call
                 choice = {
                     "index": i,
-                    "delta": {"content": delta} if delta else {},
+                    "delta": message,
                     "logprobs": chat_logprobs(new_lps, self.state.token_text)
                     if self.want_logprobs
                     else None,
-                    "finish_reason": c.finish_reason if out.finished else None,
+                    "finish_reason": finish,
                 }
                 yield sse(self._chunk([choice]))
             if self.req.include_usage:
@@ -164,3 +202,32 @@ class ChatHandler:
         except Exception as e:
             yield sse_error(e)
         yield sse("[DONE]")
+
+    def _tool_delta(
+        self,
+        stream: ToolStream,
+        delta: str,
+        finished: bool,
+        finish: str | None,
+        num_calls: list[int],
+        i: int,
+    ) -> tuple[dict[str, Any], str | None]:
+        """One choice's delta with its text run through the tool parser: content that cannot
+        start a call, and each call once complete (OpenAI's shape: index, id, name, arguments)."""
+        content, calls = stream.feed(delta)
+        if finished:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+        if not self.tools.parallel:
+            calls = calls[: max(0, 1 - num_calls[i])]
+        message: dict[str, Any] = {}
+        if content and not (num_calls[i] and not content.strip()):
+            message["content"] = content
+        if calls:
+            message["tool_calls"] = [
+                call.to_openai(num_calls[i] + k) for k, call in enumerate(calls)
+            ]
+            num_calls[i] += len(calls)
+        if finish == "stop" and num_calls[i]:
+            finish = "tool_calls"
+        return message, finish

@@ -36,6 +36,8 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20  # larger bodies get a 413
     # A request's own "chat_template" is refused (400) unless the operator allows it.
     allow_request_chat_template: bool = False
+    # How tool calls are read from the output (server/tool_parsers.py); None: the template's.
+    tool_call_parser: str | None = None
     # Called once when the engine is gone for good (start-up failed or it died).
     on_engine_dead: Callable[[str], None] | None = None
 

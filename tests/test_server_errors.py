@@ -158,7 +158,7 @@ def test_prompt_token_ids_out_of_range(http):
         ([], "messages"),
         ("hello", "messages"),
         ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
-        ([{"role": "tool", "content": "hi", "tool_call_id": "x"}], "messages[0]"),
+        ([{"role": "tool", "content": "hi"}], "messages[0].tool_call_id"),
         ([{"content": "hi"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
@@ -166,7 +166,22 @@ def test_prompt_token_ids_out_of_range(http):
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             "messages[0].content[0]",
         ),
-        ([{"role": "assistant", "content": None, "tool_calls": []}], "messages[0].tool_calls"),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [
+                        {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                }
+            ],
+            "messages[0].tool_calls",
+        ),  # fmt: skip
     ],
 )
 def test_bad_messages(http, messages, param):
@@ -184,7 +199,6 @@ def test_text_parts_are_accepted(http):
 @pytest.mark.parametrize(
     "endpoint,field,value",
     [
-        ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "required"),
         ("chat", "functions", [{"name": "f"}]),
         ("chat", "logit_bias", {"5": 10}),

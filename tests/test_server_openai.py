@@ -378,8 +378,9 @@ def test_errors_raise_the_sdk_exceptions(client, model_name, server):
             model=model_name,
             messages=MESSAGES,
             tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert e.value.param == "tools"
+    assert e.value.param == "tool_choice"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT)
     bad = openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0)

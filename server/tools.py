@@ -1,0 +1,136 @@
+"""Tool calling on /v1/chat/completions: what the template sees, what the model must write, and
+how its text becomes ``tool_calls``.
+
+- ``tool_choice`` ``"auto"`` (the default with tools): the tools reach the chat template (as
+  ``tools``, Hugging Face's convention); a template that does not use them gets them in a system
+  message that teaches the Hermes format. The output is parsed with the template's format
+  (``server/tool_parsers.py``; ``--tool-call-parser`` overrides).
+- ``"required"`` or a named function: generation is constrained by a grammar (llguidance Lark
+  with each function's parameters as a JSON schema) to Hermes-format calls, so the calls always
+  parse and their arguments are valid against the parameters. ``parallel_tool_calls`` false:
+  exactly one call (``"auto"``: only the first call the model wrote is returned).
+- ``"none"``: the template still sees the tools, nothing is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.structured_output import StructuredSpec
+from tandem.server.tool_parsers import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    ToolParser,
+    make_parser,
+    parser_name_for_template,
+)
+
+# JSON as a forced call writes it: no free whitespace (a sampled model cannot pad forever).
+_COMPACT = {"whitespace_flexible": False}
+
+_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query. The functions:
+<tools>
+{tools}
+</tools>
+
+To call a function, write a JSON object with its name and arguments inside tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What one chat request does with its tools."""
+
+    tools: list[dict[str, Any]]  # OpenAI shape, as the template receives them
+    choice: str  # "none", "auto", "required", or "function"
+    forced_name: str | None
+    parallel: bool
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+    @property
+    def parses(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def parser(self, template: str | None, override: str | None) -> ToolParser:
+        """Forced calls are Hermes-format by construction; otherwise the template's format."""
+        if self.forced:
+            return make_parser("hermes", self.names)
+        return make_parser(override or parser_name_for_template(template), self.names)
+
+    def grammar(self) -> StructuredSpec | None:
+        """The Lark grammar of a forced call (None unless ``required`` / a named function)."""
+        if not self.forced:
+            return None
+        funcs = [t["function"] for t in self.tools]
+        if self.forced_name is not None:
+            funcs = [f for f in funcs if f["name"] == self.forced_name]
+        bodies = []
+        for i, f in enumerate(funcs):
+            schema = {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f["name"]},
+                    "arguments": f.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+                "x-guidance": _COMPACT,
+            }
+            bodies.append(f"body{i}: %json {json.dumps(schema)}")
+        calls = "call" if not self.parallel else 'call ("\\n" call)*'
+        lines = [
+            f"start: {calls}",
+            f'call: "{HERMES_OPEN}\\n" ({" | ".join(f"body{i}" for i in range(len(funcs)))}) '
+            f'"\\n{HERMES_CLOSE}"',
+            *bodies,
+        ]
+        return StructuredSpec("grammar", "\n".join(lines), "tools")
+
+    def system_prompt(self) -> str:
+        """The tools for a template that does not render them itself."""
+        return _SYSTEM.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
+        )
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
+    """The request's tools and choice (already validated by the protocol model)."""
+    dumped = [t.model_dump(exclude_none=True) for t in tools or []]
+    if tool_choice is None:
+        choice, name = ("auto" if dumped else "none"), None
+    elif isinstance(tool_choice, str):
+        choice, name = tool_choice, None
+    else:
+        choice, name = "function", tool_choice.function.name
+    return ToolPlan(dumped, choice, name, parallel is not False)
+
+
+def template_uses(template: str | None, word: str) -> bool:
+    return bool(template) and word in (template or "")
+
+
+def hermes_text(calls: list[dict[str, Any]]) -> str:
+    """An assistant message's ``tool_calls`` as Hermes text, for templates that ignore them."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        try:
+            args = json.loads(fn["arguments"])
+        except (json.JSONDecodeError, TypeError):
+            args = fn["arguments"]
+        body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+        out.append(f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
+    return "\n".join(out)

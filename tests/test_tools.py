@@ -1,0 +1,201 @@
+"""Tool calling over the official openai client, on the built-in model (its ChatML template does
+not render tools: the server describes them in a system message and writes earlier calls into the
+assistant's text). Forced calls (``required``, a named function) are grammar-constrained, so they
+always parse and their arguments validate against the function's parameters; ``auto`` reads
+whatever the model wrote in the Hermes format; a full round trip (call -> tool message -> answer)
+works; bad tool requests are 400s."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server_utils import RemoteServer
+from tandem.models.builtin import CACHE_ENV, builtin_model_path
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Berlin", "Tokyo"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("tandem-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(root))
+        folder = Path(builtin_model_path())
+    args = ["--speculative-config", "none", "--max-num-seqs", "4", "--served-model-name", "m"]
+    args += ["--max-model-len", "1024"]
+    with RemoteServer(folder, args) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+
+
+def _check_calls(calls: list, allowed: set[str]) -> None:
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_required_call_parses_and_validates_then_the_round_trip_answers(client) -> None:
+    first = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
+        temperature=0.8, seed=1, max_tokens=80,
+    )  # fmt: skip
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls and choice.message.content is None
+    _check_calls(choice.message.tool_calls, {"get_weather", "add"})
+
+    call = choice.message.tool_calls[0]
+    messages = [
+        *ASK,
+        choice.message,  # the client sends the assistant's message back as it came
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sun"}'},
+    ]
+    final = client.chat.completions.create(
+        model="m", messages=messages, tools=[WEATHER, ADD], temperature=0, max_tokens=24
+    )
+    answer = final.choices[0]
+    assert answer.message.content and not answer.message.tool_calls, answer
+    assert answer.finish_reason in ("stop", "length")
+
+
+def test_a_named_function_without_parallel_calls_is_exactly_one_call(client) -> None:
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="m", messages=ASK, tools=[WEATHER, ADD], seed=seed, temperature=1.0,
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            parallel_tool_calls=False, max_tokens=60,
+        )  # fmt: skip
+        calls = reply.choices[0].message.tool_calls
+        assert calls is not None and len(calls) == 1, reply
+        _check_calls(calls, {"add"})
+        assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_calls_arrive_in_openai_shape(client) -> None:
+    stream = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], tool_choice="required", stream=True,
+        temperature=0.8, seed=2, max_tokens=80,
+    )  # fmt: skip
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = tc.id or entry["id"]
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls, calls
+    for entry in calls.values():
+        assert entry["id"].startswith("call_") and entry["name"] == "get_weather"
+        jsonschema.validate(json.loads(entry["arguments"]), PARAMS["get_weather"])
+
+
+def test_auto_reads_calls_the_model_writes_and_leaves_other_text(server, client) -> None:
+    """``auto`` parses the Hermes format out of the text (forced here with a regex, so the test
+    does not depend on what a 135M model chooses to say)."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    for stream in (False, True):
+        body = {
+            "model": "m", "messages": ASK, "tools": [ADD], "max_tokens": 60, "stream": stream,
+            "structured_outputs": {"regex": "Sure\\. " + call.replace("{", "\\{").replace("}", "\\}")},
+        }  # fmt: skip
+        if not stream:
+            msg = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
+            choice = msg["choices"][0]
+            assert choice["message"]["content"] == "Sure."
+            [tc] = choice["message"]["tool_calls"]
+            assert choice["finish_reason"] == "tool_calls"
+        else:
+            extra = {"structured_outputs": body.pop("structured_outputs")}
+            parts = client.chat.completions.create(**body, extra_body=extra)
+            content, tcs, finish = "", [], None
+            for chunk in parts:
+                content += chunk.choices[0].delta.content or ""
+                tcs += [t.model_dump() for t in chunk.choices[0].delta.tool_calls or []]
+                finish = chunk.choices[0].finish_reason or finish
+            assert content.strip() == "Sure." and finish == "tool_calls"
+            [tc] = tcs
+        assert tc["function"]["name"] == "add"
+        assert json.loads(tc["function"]["arguments"]) == {"a": 2, "b": 3}
+    # A call to a function the request did not offer is the model's text, not a call.
+    body = {
+        "model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 60,
+        "structured_outputs": {"regex": call.replace("{", "\\{").replace("}", "\\}")},
+    }  # fmt: skip
+    msg = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json()
+    assert "tool_calls" not in msg["choices"][0]["message"]
+    assert msg["choices"][0]["message"]["content"] == call
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "not among the tools"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None, "name"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+         "both constrain"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "frobnicate"}}}]}, "tools", ""),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
+         "required"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s(server, change, param, words) -> None:
+    body = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 4, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    ok = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 2}
+    assert httpx.post(server.url("/v1/chat/completions"), json=ok, timeout=60).status_code == 200
