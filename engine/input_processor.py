@@ -9,7 +9,7 @@ from typing import Any
 
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import GrammarCompiler, StructuredOutputError
+from tandem.engine.structured_output import GrammarCompiler
 
 
 class ContextLengthExceededError(ValueError):
@@ -48,12 +48,6 @@ class InputProcessor:
         spec = params.structured
         if spec is None:
             return
-        if self.speculative:
-            raise StructuredOutputError(
-                "structured outputs are not supported with speculative decoding yet (this "
-                "server runs with --speculative-config)",
-                spec.param,
-            )
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars.validate(spec)

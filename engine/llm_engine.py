@@ -144,8 +144,6 @@ class LLMEngine:
         rid = request.request_id
         if rid in self.rank_of or rid in self.structured.pending:
             raise ValueError(f"request id {rid!r} is already in use")
-        if p.structured is not None and self.num_spec_tokens:
-            raise ValueError("structured output is not supported with speculative decoding yet")
         self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
         if p.structured is not None:
             self.structured.submit(request)  # scheduled once its grammar is compiled
@@ -312,7 +310,10 @@ class LLMEngine:
                     )
                     - 1
                 )
-                request.spec_token_ids = result.draft_token_ids[i][: max(0, room)]
+                drafts = result.draft_token_ids[i][: max(0, room)]
+                if drafts and self.structured.is_constrained(rid):
+                    drafts = self._grammar_drafts(request, drafts)
+                request.spec_token_ids = drafts
             outputs.append(self._make_output(request))
             if status is not None:
                 self.detok.pop(rid, None)
@@ -333,7 +334,29 @@ class LLMEngine:
         ]
         if not ids:
             return StepMasks({}, {})
-        return self.structured.masks(ids, self.bitmask_width)
+        if not self.num_spec_tokens:
+            return self.structured.masks(ids, self.bitmask_width)
+        # Speculation: one mask per verified position, the grammar's state after the request's
+        # emitted tokens and its drafts before that position.
+        drafts = {
+            s.request.request_id: s.request.spec_token_ids[: s.num_drafts]
+            for sched in scheds
+            for s in sched.scheduled
+            if s.request.request_id in ids
+        }
+        return self.structured.masks(ids, self.bitmask_width, drafts)
+
+    def _grammar_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts of a constrained request worth verifying. A draft the grammar forbids is
+        always rejected (the masked target gives it probability 0), so the drafts after it are
+        never used: they are cut. The forbidden draft itself is cut only for greedy requests
+        (the masked argmax at its position does not depend on it). A sampled request keeps it:
+        drafts are sampled from the unmasked draft distribution q, and rejection sampling is
+        exact only over every draft q proposes — a rejected forbidden draft's position must be
+        sampled from the residual norm(max(0, p' - q)), not from p' (cutting it would sample p'
+        there, over-weighting tokens q favours; the distribution test catches that)."""
+        n = self.structured.valid_drafts(request.request_id, drafts)
+        return drafts[: n if request.params.greedy else n + 1]
 
     def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
         """Feed ``token`` to the request's matcher: a complete grammar stops it; a token the

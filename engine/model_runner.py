@@ -439,6 +439,31 @@ class ModelRunner:
                 rows[i, : m.shape[0]] = m
         return rows.to(self.device, non_blocking=True)
 
+    def _spec_bitmask(self, sampled: list[RequestStep], cols: int) -> torch.Tensor:
+        """[B * cols, W] int32 bitmask of the verify logits' rows: request i's row j is its
+        grammar's mask for verified position j; all ones for unconstrained requests and past a
+        request's drafts (those columns repeat a row whose token is never used).
+
+        Exactness (speculative sampling with the target masked, the draft not): drafts come
+        from the unmasked draft distribution q; verification takes the masked, renormalised
+        target p' (p' = 0 where the grammar forbids), accepts draft d with min(1, p'(d) / q(d))
+        and on rejection samples norm(max(0, p' - q)). For any q, x is emitted with
+        probability q(x) min(1, p'(x) / q(x)) + (1 - sum_y min(q(y), p'(y))) norm(max(0, p' -
+        q))(x) = min(q(x), p'(x)) + max(0, p'(x) - q(x)) = p'(x): exactly constrained
+        sampling, and a forbidden draft (p'(d) = 0) is always rejected and never emitted. The
+        residual must come from p' (masked), which it does since p' is what is verified.
+        Greedy: the masked argmax at every position, equal to constrained greedy decoding.
+        """
+        width = max(r.token_bitmask.shape[-1] for r in sampled if r.token_bitmask is not None)
+        rows = torch.full((len(sampled), cols, width), -1, dtype=torch.int32)
+        for i, r in enumerate(sampled):
+            m = r.token_bitmask
+            if m is None:
+                continue
+            m = m.view(-1, m.shape[-1])[:cols]
+            rows[i, : m.shape[0], : m.shape[1]] = m
+        return rows.view(len(sampled) * cols, width).to(self.device, non_blocking=True)
+
     def scan_sampling_path(self, meta: SpecMetadata, local_all_greedy: bool) -> None:
         """The step's sampling path, before anything (the CUDA-graph key included) reads it:
         clear last step's group value, pre-scan locally, and under ADP + LM-head TP + rejection
@@ -474,9 +499,6 @@ class ModelRunner:
             return StepOutput([], [], [])
         layout = inp.layout
         assert layout is not None and inp.next_tokens is not None
-        if any(r.token_bitmask is not None for r in inp.sampled):
-            # The API refuses these; never run a grammar unconstrained.
-            raise ValueError("structured output is not supported with speculative decoding yet")
         st = self.sampling_tensors(inp.sampled)
         meta = self.spec_meta
         assert meta is not None
@@ -490,6 +512,11 @@ class ModelRunner:
         cols = 1 + max(r.num_drafts for r in inp.sampled)
         rows = layout.rows[:, :cols].reshape(-1)
         logits = self.model.compute_logits(hidden[rows]).float().view(b, cols, -1)
+        if any(r.token_bitmask is not None for r in inp.sampled):
+            # Structured output: every verified position's target logits are masked with the
+            # grammar's state after the drafts before it (see ``_spec_bitmask``).
+            masks = self._spec_bitmask(inp.sampled, cols)
+            logits = apply_token_bitmask(logits.view(b * cols, -1), masks).view(b, cols, -1)
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)
         if not propose_drafts:

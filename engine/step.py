@@ -38,7 +38,8 @@ class RequestStep:
     # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
     future_tokens: list[int] = field(default_factory=list)
     # Structured output: the tokens the grammar allows next, [ceil(V / 32)] int32 bits (None:
-    # unconstrained). Set only when sample.
+    # unconstrained). Set only when sample. Speculative decoding: [num_drafts + 1, ceil(V / 32)],
+    # row j for verified position j (the grammar after the first j drafts).
     token_bitmask: torch.Tensor | None = None
 
 

@@ -7,6 +7,8 @@ so bad input is a 400 before it reaches the engine. The engine process keeps one
 constrained request (``StructuredOutputManager``): grammars compile on a thread pool, cached by
 (kind, text), while other requests keep running; each step it fills the token bitmask of every
 constrained request the step samples, and it advances the matchers with the emitted tokens.
+Under speculative decoding a request's mask has one row per verified position (the state after
+the drafts before it, computed by advancing the matcher along the drafts and rolling it back).
 """
 
 from __future__ import annotations
@@ -299,33 +301,80 @@ class StructuredOutputManager:
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self.matchers
 
-    def masks(self, request_ids: list[str], width: int) -> StepMasks:
-        """The next-token bitmask of each request (all of them constrained)."""
+    def masks(
+        self, request_ids: list[str], width: int, drafts: dict[str, list[int]] | None = None
+    ) -> StepMasks:
+        """The next-token bitmask of each request (all of them constrained).
+
+        Without ``drafts`` a request's mask is [W]. With ``drafts`` (speculative decoding: the
+        draft tokens each request verifies this step, possibly none) it is [d + 1, W]: row j is
+        the grammar's state after the request's emitted tokens and its first j drafts (the
+        matcher is advanced along the drafts and rolled back, so its state is unchanged). Rows
+        past a draft the grammar forbids are all ones: that draft is rejected at verification
+        (the masked target gives it probability 0), so they are never used. A row past 0 that
+        allows nothing (a dead end after the drafts) is all ones too: if it is reached, the token
+        emitted there fails the request, as the dead end would without speculation. Only row 0
+        decides ``dead``.
+        """
         import llguidance
         import llguidance.torch
         import torch
 
         start = time.perf_counter()
-        bitmask = torch.zeros((len(request_ids), width), dtype=torch.int32)
+        ahead = [drafts.get(rid, []) if drafts is not None else [] for rid in request_ids]
+        lens = [len(d) for d in ahead]
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n + 1)
+        bitmask = torch.zeros((offsets[-1], width), dtype=torch.int32)
         matchers = [self.matchers[rid] for rid in request_ids]
         if self._executor is None:
             self._executor = llguidance.LLExecutor(COMPILE_THREADS)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask
-        )
+        # Depth by depth: every request still on its drafts fills row ``depth`` in parallel, then
+        # consumes its draft ``depth``; ``consumed[i]`` is how far request i went.
+        consumed = [0] * len(request_ids)
+        live = list(range(len(request_ids)))
+        depth = 0
+        while live:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._executor, [(matchers[i], offsets[i] + depth) for i in live], bitmask
+            )
+            nxt = []
+            for i in live:
+                if depth < lens[i] and not matchers[i].is_stopped():
+                    if matchers[i].try_consume_tokens([ahead[i][depth]]) == 1:
+                        consumed[i] += 1
+                        nxt.append(i)
+            live = nxt
+            depth += 1
         out = StepMasks({}, {})
         allowed = bitmask.ne(0).any(dim=1).tolist()
         for i, rid in enumerate(request_ids):
             m = matchers[i]
-            if m.is_error() or not allowed[i]:
+            if consumed[i]:
+                m.rollback(consumed[i])
+            lo = offsets[i]
+            if m.is_error() or not allowed[lo]:
                 out.dead[rid] = (
                     "the structured output's grammar allows no token here "
                     f"({m.get_error() or 'no token of this model continues the text'})"
                 )
-            else:
-                out.masks[rid] = bitmask[i].clone()
+                continue
+            for j in range(1, lens[i] + 1):
+                if j > consumed[i] or not allowed[lo + j]:
+                    bitmask[lo + j] = -1
+            rows = bitmask[lo : offsets[i + 1]]
+            out.masks[rid] = rows.clone() if drafts is not None else rows[0].clone()
         self.mask_times.observe(time.perf_counter() - start)
         return out
+
+    def valid_drafts(self, request_id: str, tokens: list[int]) -> int:
+        """How many of ``tokens`` (the next step's drafts) the grammar accepts in a row from the
+        request's current state (the matcher is not advanced)."""
+        m = self.matchers[request_id]
+        if not tokens or m.is_stopped():
+            return 0
+        return int(m.validate_tokens(tokens))
 
     def advance(self, request_id: str, token_id: int) -> str | None:
         """Feed an emitted token to the request's matcher. Returns "stop" when the grammar is

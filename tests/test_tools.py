@@ -15,8 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from server_utils import RemoteServer
+from server_utils import RemoteServer, metric, scrape_metrics
 from tandem.models.builtin import CACHE_ENV, builtin_model_path
+from tandem.models.heads import builtin_head_path
 
 WEATHER = {
     "type": "function",
@@ -53,15 +54,20 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 
 
+ARGS = ["--max-num-seqs", "4", "--served-model-name", "m", "--max-model-len", "1024"]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tandem-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(root))
-        folder = Path(builtin_model_path())
-    args = ["--speculative-config", "none", "--max-num-seqs", "4", "--served-model-name", "m"]
-    args += ["--max-model-len", "1024"]
-    with RemoteServer(folder, args) as s:
+        return Path(builtin_model_path())
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path):
+    with RemoteServer(folder, ["--speculative-config", "none", *ARGS]) as s:
         yield s
 
 
@@ -199,3 +205,23 @@ def test_bad_tool_requests_are_400s(server, change, param, words) -> None:
         assert error["param"] == param, error
     ok = {"model": "m", "messages": ASK, "tools": [WEATHER], "max_tokens": 2}
     assert httpx.post(server.url("/v1/chat/completions"), json=ok, timeout=60).status_code == 200
+
+
+def test_forced_calls_under_speculation_equal_greedy_without(folder: Path, client) -> None:
+    """With the built-in model's shipped Eagle3 head drafting, greedy forced calls are the same
+    as without speculation (the grammar masks every verified position)."""
+    kw = {"model": "m", "messages": ASK, "tools": [WEATHER, ADD], "temperature": 0,
+          "max_tokens": 80, "tool_choice": "required"}  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    head = {"method": "eagle3", "model": builtin_head_path("eagle3")}  # the shipped head
+    eagle3 = ["--speculative-config", json.dumps(head)]
+    with RemoteServer(folder, [*eagle3, *ARGS]) as spec_server:
+        spec = openai.OpenAI(base_url=spec_server.url("/v1"), api_key="none", max_retries=0)
+        reply = spec.chat.completions.create(**kw)
+        drafts = metric(scrape_metrics(spec_server), "tandem:spec_decode_num_drafts_total")
+    calls = reply.choices[0].message.tool_calls
+    assert drafts > 0  # it did speculate
+    _check_calls(calls, {"get_weather", "add"})
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in plain
+    ]
