@@ -153,6 +153,8 @@ _COUNTERS = (
     "spec_num_drafts",
     "spec_num_draft_tokens",
     "spec_num_accepted_tokens",
+    "spec_constrained_draft_tokens",
+    "spec_constrained_accepted_tokens",
 )
 
 

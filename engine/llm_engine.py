@@ -90,6 +90,7 @@ class LLMEngine:
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.spec_stats = SpecStats()
+        self.constrained_drafts = self.constrained_accepted = 0  # grammar-constrained requests
         self.input_processor = InputProcessor(
             self.tokenizer,
             mc.vocab_size,
@@ -281,6 +282,9 @@ class LLMEngine:
                     request.spec_stats = SpecStats()
                 request.spec_stats.record(n_drafts, len(emitted) - 1)
                 self.spec_stats.record(n_drafts, len(emitted) - 1)
+                if self.structured.is_constrained(rid):
+                    self.constrained_drafts += n_drafts
+                    self.constrained_accepted += len(emitted) - 1
             lps = result.logprobs[i]
             status = None
             for j, token in enumerate(emitted):
@@ -439,6 +443,8 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            spec_constrained_draft_tokens=self.constrained_drafts,
+            spec_constrained_accepted_tokens=self.constrained_accepted,
             # None until a constrained request came (the snapshot travels with every step).
             grammar_compile_time=self.structured.compile_times,
             grammar_mask_time=self.structured.mask_times.copy() if self.structured.used else None,

@@ -46,6 +46,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # The same two counts for grammar-constrained requests only (their acceptance rate).
+    spec_constrained_draft_tokens: int = 0
+    spec_constrained_accepted_tokens: int = 0
     # Structured output, cumulative histograms (seconds): grammar compile time per grammar,
     # bitmask time per step that had constrained requests.
     grammar_compile_time: Histogram | None = None

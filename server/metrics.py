@@ -46,6 +46,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("counter", "spec_decode_num_drafts", "Speculative verification steps that had drafts.", lambda s: s.spec_num_drafts),
     ("counter", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda s: s.spec_num_draft_tokens),
     ("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
+    ("counter", "spec_decode_constrained_num_draft_tokens", "Draft tokens verified for grammar-constrained requests.", lambda s: s.spec_constrained_draft_tokens),
+    ("counter", "spec_decode_constrained_num_accepted_tokens", "Draft tokens accepted for grammar-constrained requests.", lambda s: s.spec_constrained_accepted_tokens),
 )  # fmt: skip
 
 

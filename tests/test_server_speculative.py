@@ -95,6 +95,8 @@ def test_structured_output_is_served_under_speculation(server, model_dir):
     the answers match the grammar (tests/test_structured_spec.py checks exactness offline)."""
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
     msgs = [{"role": "user", "content": PROMPT}]
+    name = "tandem:spec_decode_constrained_num_draft_tokens_total"
+    before = metric(scrape_metrics(server), name)
     resp = client.chat.completions.create(
         model=model_dir.name,
         messages=msgs,
@@ -119,3 +121,8 @@ def test_structured_output_is_served_under_speculation(server, model_dir):
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
     )
     assert resp.choices[0].text in ("yes", "no")
+    # Their drafts are counted apart too (the constrained acceptance rate).
+    samples = scrape_metrics(server)
+    drafted = metric(samples, name) - before
+    accepted = metric(samples, "tandem:spec_decode_constrained_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
