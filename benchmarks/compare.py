@@ -110,6 +110,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "16, 4, 1): each figure is the tokens over the time of all rounds, so columns measured "
         "minutes apart share a drifting machine's phases",
     )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain every Tandem row's output to this JSON schema (structured output, "
+        "plain and speculative alike); the transformers rows are skipped",
+    )
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny numbers (tests, a smoke run)")
     p.add_argument(
@@ -230,8 +237,14 @@ class TandemSystem:
                 speculative_config=spec,
             )
         )
+        from tandem.engine.structured_output import StructuredSpec
+
+        structured = StructuredSpec("json_schema", cfg.json_schema) if cfg.json_schema else None
         self.params = SamplingParams(
-            temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=not cfg.stop_at_eos
+            temperature=0.0,
+            max_tokens=cfg.max_tokens,
+            ignore_eos=not cfg.stop_at_eos,
+            structured=structured,
         )
         self.counter = iter(range(1 << 30))
         self.engine.add_request("warm-up", warm_up, SamplingParams(temperature=0.0, max_tokens=4))
@@ -458,6 +471,7 @@ class BenchConfig:
     batch1_prompts: int
     rounds: int = 1
     stop_at_eos: bool = False
+    json_schema: str | None = None  # the text of a schema every Tandem request must match
 
 
 def _load_prompts(path: str | None, model: str, num: int) -> list[list[int]]:
@@ -629,6 +643,13 @@ def _main(ns: argparse.Namespace) -> int:
     elif not _same_tokenizer(model, ns.assistant_model):
         assistant_why = "the assistant's tokenizer differs from the model's"
 
+    schema = None
+    if ns.json_schema is not None:
+        try:
+            schema = json.dumps(json.loads(Path(ns.json_schema).read_text()))
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--json-schema {ns.json_schema!r}: {e}") from None
+        ns.skip_transformers = True  # transformers generate has no grammar to hold it to
     prompts = _load_prompts(ns.prompts, model, ns.num_prompts)
     cfg = BenchConfig(
         dtype=ns.dtype,
@@ -638,13 +659,15 @@ def _main(ns: argparse.Namespace) -> int:
         batch1_prompts=min(len(prompts), ns.batch1_prompts),
         rounds=ns.rounds,
         stop_at_eos=ns.stop_at_eos,
+        json_schema=schema,
     )
     length = f"up to EOS, at most {ns.max_tokens}" if ns.stop_at_eos else f"{ns.max_tokens}"
     print(
         f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts "
         f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; the first "
         f"{cfg.batch1_prompts} at batch 1), {length} new tokens, {cfg.rounds} round(s) of "
-        f"the concurrency columns, {torch.get_num_threads()} threads",
+        f"the concurrency columns, {torch.get_num_threads()} threads"
+        + (f"; every Tandem request held to the JSON schema {ns.json_schema}" if schema else ""),
         flush=True,
     )
     na = {c: None for c in cfg.concurrency}
@@ -657,11 +680,16 @@ def _main(ns: argparse.Namespace) -> int:
 
     try:
         if ns.skip_transformers:
-            entries.append(Row("transformers generate", by_concurrency=dict(na), note="skipped"))
+            why = "no grammar (--json-schema)" if schema else "skipped"
+            entries.append(Row("transformers generate", by_concurrency=dict(na), note=why))
         else:
             add("transformers generate", lambda: TransformersSystem(model, cfg, prompts[0]))
         if ns.skip_transformers or assistant_why:
-            why = "skipped" if ns.skip_transformers else assistant_why
+            why = (
+                ("no grammar (--json-schema)" if schema else "skipped")
+                if ns.skip_transformers
+                else assistant_why
+            )
             entries.append(
                 Row("transformers generate + assistant", by_concurrency=dict(na), note=why)
             )

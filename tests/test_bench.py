@@ -403,3 +403,38 @@ def test_gpu_bench_help_and_no_cuda_message():
     r = subprocess.run([sys.executable, *script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "needs a CUDA device" in r.stderr
+
+
+def test_compare_holds_every_tandem_row_to_a_json_schema(
+    tmp_path_factory, tmp_path, capsys, monkeypatch
+):
+    """``--json-schema``: the plain and speculative rows run constrained (each request's params
+    carry the schema), the transformers rows say why they are missing."""
+    from tandem.bench.compare import TandemSystem
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    seen: list = []
+    real_batch1 = TandemSystem.batch1
+
+    def batch1(self, ids):
+        seen.append(self.params.structured)
+        return real_batch1(self, ids)
+
+    monkeypatch.setattr(TandemSystem, "batch1", batch1)
+    result = tmp_path / "c.json"
+    rc = main(
+        [
+            "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
+            "--eagle3", "none", "--json-schema", str(path), "--result-file", str(result),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "held to the JSON schema" in out and "no grammar (--json-schema)" in out
+    assert len(seen) == 2 and all(s is not None and json.loads(s.text) == schema for s in seen)
+    rows = {r["name"]: r for r in json.loads(result.read_text())["rows"]}
+    assert rows["tandem"]["batch1"] > 0
+    assert 1.0 <= rows[f"tandem + mtp (K={K})"]["batch1_tokens_per_step"] <= K + 1
+    assert main(["bench", "compare", "--quick", "--json-schema", str(tmp_path / "nope")]) == 2
