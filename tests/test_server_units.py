@@ -111,7 +111,7 @@ def test_unknown_field_is_named():
 
 def test_wrong_role_is_reported_before_the_fields_it_explains():
     err = errors_of(
-        ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
+        ChatCompletionRequest, {"messages": [{"role": "function", "content": "x", "name": "f"}]}
     )
     assert err.param == "messages[0].role"
 
