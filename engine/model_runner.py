@@ -408,9 +408,8 @@ class ModelRunner:
             return StepOutput([], [], [])
         # sample() widens to float32 itself where it needs to (not for plain greedy rows).
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        masks = [r.token_bitmask for r in inp.sampled]
-        if any(m is not None for m in masks):  # structured output (no cost otherwise)
-            logits = apply_token_bitmask(logits, self._bitmask_rows(masks))
+        if any(r.token_bitmask is not None for r in inp.sampled):  # structured output
+            logits = apply_token_bitmask(logits, self._bitmask(inp.sampled, 1))
         out = sample(logits, self.sampling_tensors(inp.sampled))
         if out.logprobs is None:
             (ids_rows,) = host_rows(out.token_ids)  # the step's one host sync
@@ -430,19 +429,11 @@ class ModelRunner:
                     ]
         return StepOutput([r.request_id for r in inp.sampled], [[t] for t in token_ids], logprobs)
 
-    def _bitmask_rows(self, masks: list[torch.Tensor | None]) -> torch.Tensor:
-        """[B, W] int32 bitmask of the sampled rows; all ones for unconstrained rows."""
-        width = max(m.shape[0] for m in masks if m is not None)
-        rows = torch.full((len(masks), width), -1, dtype=torch.int32)
-        for i, m in enumerate(masks):
-            if m is not None:
-                rows[i, : m.shape[0]] = m
-        return rows.to(self.device, non_blocking=True)
-
-    def _spec_bitmask(self, sampled: list[RequestStep], cols: int) -> torch.Tensor:
-        """[B * cols, W] int32 bitmask of the verify logits' rows: request i's row j is its
-        grammar's mask for verified position j; all ones for unconstrained requests and past a
-        request's drafts (those columns repeat a row whose token is never used).
+    def _bitmask(self, sampled: list[RequestStep], cols: int) -> torch.Tensor:
+        """[B * cols, W] int32 bitmask of the sampled logits' rows (``cols`` 1 without
+        speculation): request i's row j is its grammar's mask for verified position j; all ones
+        for unconstrained requests and past a request's drafts (those columns repeat a row whose
+        token is never used).
 
         Exactness (speculative sampling with the target masked, the draft not): drafts come
         from the unmasked draft distribution q; verification takes the masked, renormalised
@@ -514,8 +505,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]).float().view(b, cols, -1)
         if any(r.token_bitmask is not None for r in inp.sampled):
             # Structured output: every verified position's target logits are masked with the
-            # grammar's state after the drafts before it (see ``_spec_bitmask``).
-            masks = self._spec_bitmask(inp.sampled, cols)
+            # grammar's state after the drafts before it (see ``_bitmask``).
+            masks = self._bitmask(inp.sampled, cols)
             logits = apply_token_bitmask(logits.view(b * cols, -1), masks).view(b, cols, -1)
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)

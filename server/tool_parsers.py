@@ -71,6 +71,7 @@ class ToolParser:
     """Base: ``names`` are the functions the request offers."""
 
     name = ""
+    whole_message = False  # a call is the whole message (decided by its first characters)
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
@@ -103,6 +104,7 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    whole_message = True
 
     def parse(self, text: str) -> Parsed:
         body = text.strip().removeprefix(PYTHON_TAG).strip()
@@ -149,7 +151,7 @@ class ToolStream:
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.buffer = ""  # text not yet given out
-        self.whole_message = isinstance(parser, Llama3JsonParser)
+        self.whole_message = parser.whole_message
         self.passthrough = False  # a Llama message that is not a call: all of it is content
         self.calls = 0
 

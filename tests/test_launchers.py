@@ -22,10 +22,10 @@ from tandem.engine.distributed import LaunchEnv, adopt_slurm_launch
 from tandem.engine.executor import check_launch
 from test_multinode import (
     ENV,
-    EXIT_WITHIN_S,
     _assert_gone,
     _family,
     _wait_exit,
+    family_until_both_exit,
     health_until_exit,
     one_rank_reference,
     served_greedy,
@@ -159,11 +159,7 @@ def test_launched_ranks_with_different_arguments_stop_naming_them(model_dir):
     rank0 = _srun_task(model_dir, 0, addr)
     rank1 = _srun_task(model_dir, 1, addr, ("--max-num-seqs", "3"))
     try:
-        family: set[int] = set()
-        deadline = time.monotonic() + EXIT_WITHIN_S
-        while time.monotonic() < deadline and None in (rank0.proc.poll(), rank1.proc.poll()):
-            family.update(_family(rank0.proc.pid) + _family(rank1.proc.pid))
-            time.sleep(0.2)
+        family = family_until_both_exit(rank0, rank1)
         assert _wait_exit(rank0, 1) != 0
         assert _wait_exit(rank1, 1) != 0
         message = "rank 1 has --max-num-seqs 3, rank 0 has"

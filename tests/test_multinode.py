@@ -105,6 +105,25 @@ def health_until_exit(server: RemoteServer) -> list[int]:
     return statuses
 
 
+def family_until_both_exit(a: RemoteServer, b: RemoteServer) -> set[int]:
+    """Every process either tree had while they ran (at most EXIT_WITHIN_S)."""
+    family: set[int] = set()
+    deadline = time.monotonic() + EXIT_WITHIN_S
+    while time.monotonic() < deadline and None in (a.proc.poll(), b.proc.poll()):
+        family.update(_family(a.proc.pid) + _family(b.proc.pid))
+        time.sleep(0.2)
+    return family
+
+
+def _resume(node: RemoteServer) -> None:
+    """SIGCONT to every process of ``node``'s tree (one a test stopped), so it can be stopped."""
+    for pid in _family(node.proc.pid):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def _assert_gone(pids: list[int]) -> None:
     """No process of ``pids`` runs any more (zombies, reaped by nobody yet, count as gone)."""
     deadline = time.monotonic() + 15
@@ -246,11 +265,7 @@ def test_wrong_nnodes_on_one_node_stops_both_naming_it(model_dir):
     addr = f"127.0.0.1:{free_port()}"
     node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr, nnodes=4)
     try:
-        family: set[int] = set()  # every process either tree had while they ran
-        deadline = time.monotonic() + EXIT_WITHIN_S
-        while time.monotonic() < deadline and None in (node0.proc.poll(), node1.proc.poll()):
-            family.update(_family(node0.proc.pid) + _family(node1.proc.pid))
-            time.sleep(0.2)
+        family = family_until_both_exit(node0, node1)
         assert len(family) >= 3  # the launchers and node 0's engine process
         assert _wait_exit(node1, 1) != 0
         assert _wait_exit(node0, 1) != 0
@@ -342,11 +357,7 @@ def test_a_stopped_node_1_rank_ends_the_stream_and_node_0(model_dir):
         assert _wait_exit(node1) != 0
         _assert_gone(sorted(family))
     finally:
-        for pid in _family(node1.proc.pid):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _resume(node1)
         node0.stop()
         node1.stop()
 
@@ -368,11 +379,7 @@ def test_a_rank_stopped_while_idle_fails_the_ping(model_dir):
         assert _wait_exit(node1) != 0
         _assert_gone(sorted(family))
     finally:
-        for pid in _family(node1.proc.pid):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _resume(node1)
         node0.stop()
         node1.stop()
 
