@@ -73,7 +73,8 @@ class CaptureHazardError(RuntimeError):
 
 def _frame() -> str:
     for f in reversed(traceback.extract_stack()[:-2]):
-        name = f.filename
+        # Resolved: the package may be imported through links (a checkout aliased as `tandem`).
+        name = str(Path(f.filename).resolve())
         if (
             name.startswith(_PACKAGE)
             and "site-packages" not in name
