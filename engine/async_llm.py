@@ -364,6 +364,13 @@ class AsyncLLM:
             )
         return [processor.process(rid, prompt, params) for rid, prompt, params in items]
 
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' grammar, if any, into the input processor's cache (raises
+        ``StructuredOutputError`` if it cannot be served). A new grammar can take long to compile:
+        the server calls this in a worker thread before ``add_requests``, whose own check then
+        hits the cache, so the event loop never waits on a compile."""
+        self._check_usable().check_structured(params)
+
     def submit(self, requests: list[Request]) -> RequestGroup:
         """Send already validated requests to the engine as one group."""
         self._check_usable()

@@ -212,6 +212,10 @@ class ReplicatedLLM:
         requests = self.replicas[0].process(items)
         return self.replicas[self.choose(requests)].submit(requests)
 
+    def check_grammar(self, params: SamplingParams) -> None:
+        """``AsyncLLM.check_grammar`` (replica 0 validates every group)."""
+        self.replicas[0].check_grammar(params)
+
     def choose(self, requests: Sequence[Request]) -> int:
         """The replica for one group, remembering its prefixes there (module docstring)."""
         loads = [r.num_in_flight for r in self.replicas]

@@ -220,7 +220,7 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
         body.check_supported()
         state.require_ready()
         handler = CompletionHandler(state, body)
-        group = handler.submit()
+        group = await handler.submit()
         if body.stream:
             return SSEResponse(handler.stream(group), on_close=group.abort)
         return await _run(request, group, handler)
@@ -231,7 +231,7 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
         body.check_supported()
         state.require_ready()
         handler = ChatHandler(state, body)
-        group = handler.submit()
+        group = await handler.submit()
         if body.stream:
             return SSEResponse(handler.stream(group), on_close=group.abort)
         return await _run(request, group, handler)

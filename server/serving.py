@@ -177,6 +177,18 @@ def engine_error_to_api(
     return server_fault(f"Internal server error: {type(e).__name__}")
 
 
+async def compile_grammar(state: Any, params: SamplingParams, **error_args: Any) -> None:
+    """Compile the request's grammar, if it has one, in a worker thread: a new schema can take
+    long to compile and the event loop serves every other stream meanwhile. The engine's own
+    check when the request is added then finds it cached. Raises ``APIError``."""
+    if params.structured is None:
+        return
+    try:
+        await asyncio.to_thread(state.llm.check_grammar, params)
+    except Exception as e:
+        raise engine_error_to_api(e, **error_args) from e
+
+
 def usage(
     prompt_tokens: int, completion_tokens: int, outs: Iterable[RequestOutput] = ()
 ) -> dict[str, Any]:

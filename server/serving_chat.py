@@ -14,6 +14,7 @@ from tandem.server.logprobs import chat_logprobs
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.serving import (
     build_sampling_params,
+    compile_grammar,
     engine_error_to_api,
     envelope,
     new_request_id,
@@ -89,7 +90,7 @@ class ChatHandler:
         self.prompt_ids: list[int] = []
         self.tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
 
-    def submit(self) -> RequestGroup:
+    async def submit(self) -> RequestGroup:
         req = self.req
         params = build_sampling_params(
             req,
@@ -101,6 +102,7 @@ class ChatHandler:
         forced = self.tools.grammar()
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
+        await compile_grammar(self.state, params, prompt_param="messages", param_names=_PARAM_NAMES)
         self.prompt_ids = render_chat_prompt(
             self.state, req.messages, req.add_generation_prompt, req.chat_template, self.tools
         )

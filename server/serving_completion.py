@@ -11,6 +11,7 @@ from tandem.server.logprobs import completion_logprobs
 from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
     build_sampling_params,
+    compile_grammar,
     engine_error_to_api,
     envelope,
     new_request_id,
@@ -42,7 +43,7 @@ class CompletionHandler:
         self.n = req.n
         self.want_logprobs = req.logprobs is not None
 
-    def submit(self) -> RequestGroup:
+    async def submit(self) -> RequestGroup:
         """Validate and submit every (prompt, sample) pair; raises ``APIError``."""
         params = build_sampling_params(
             self.req,
@@ -50,6 +51,7 @@ class CompletionHandler:
             max_tokens=self.req.max_tokens,
             logprobs=self.req.logprobs,
         )
+        await compile_grammar(self.state, params)
         items = []
         for p, prompt in enumerate(self.prompts):
             if isinstance(prompt, str | list) and not prompt:

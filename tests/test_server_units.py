@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
@@ -14,6 +16,8 @@ from tandem.engine.async_llm import QueueFullError, RequestGroup
 from tandem.engine.input_processor import ContextLengthExceededError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.request import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutputError, StructuredSpec
 from tandem.server.chat import (
     ChatRenderer,
     ChatTemplateError,
@@ -24,7 +28,7 @@ from tandem.server.cli import _size, build_parser, engine_args_from, main
 from tandem.server.errors import APIError, validation_error_to_api_error
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.server.serving import build_sampling_params, engine_error_to_api
+from tandem.server.serving import build_sampling_params, compile_grammar, engine_error_to_api
 
 
 class FakeTokenizer:
@@ -231,6 +235,60 @@ def test_group_final_outputs_in_index_order():
     client, outs = asyncio.run(run())
     assert [o.request_id for o in outs] == ["a", "b"]
     assert client.aborted == []
+
+
+# ------------------------------------------------------------------ grammars off the event loop
+
+
+class SlowGrammars:
+    """An engine client whose grammar compile takes ``seconds`` (a thread's sleep) and refuses
+    the regex "(" as the real compiler would."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.compiled: list[str] = []
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        time.sleep(self.seconds)
+        assert params.structured is not None
+        if params.structured.text == "(":
+            raise StructuredOutputError("does not compile", "structured_outputs.regex")
+        self.compiled.append(params.structured.text)
+
+
+def test_a_slow_grammar_compiles_while_the_event_loop_serves_others() -> None:
+    """The compile runs in a worker thread: a coroutine ticking every 10 ms keeps ticking
+    through a 0.5 s compile (called on the loop, it would tick once). Requests without a grammar
+    do not reach the compiler; a grammar that does not compile is a 400 naming the field."""
+    llm = SlowGrammars(0.5)
+    state = SimpleNamespace(llm=llm)
+
+    async def run() -> tuple[int, APIError]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        await compile_grammar(state, SamplingParams(structured=StructuredSpec("regex", "a+")))
+        await compile_grammar(state, SamplingParams())
+        try:
+            await compile_grammar(state, SamplingParams(structured=StructuredSpec("regex", "(")))
+        except APIError as e:
+            error = e
+        done.set()
+        await ticker
+        return ticks, error
+
+    ticks, error = asyncio.run(run())
+    assert ticks >= 20, ticks
+    assert llm.compiled == ["a+"]
+    assert error.status == 400 and error.param == "structured_outputs.regex"
 
 
 # ------------------------------------------------------------------ CLI
