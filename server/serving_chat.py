@@ -99,7 +99,7 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
             param_names=_PARAM_NAMES,
         )
-        forced = self.tools.grammar()
+        forced = self.tools.grammar(self._call_format())
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
         await compile_grammar(self.state, params, prompt_param="messages", param_names=_PARAM_NAMES)
@@ -143,11 +143,18 @@ class ChatHandler:
             self, "chat.completion", choices, usage=self._usage(outs), system_fingerprint=None
         )
 
-    def _parser(self) -> ToolParser:
+    def _template(self) -> str | None:
+        """The chat template's source: the request's own, else the server's."""
+        if self.req.chat_template is not None:
+            return self.req.chat_template
         renderer = self.state.renderer
-        return self.tools.parser(
-            renderer.source if renderer else None, self.state.settings.tool_call_parser
-        )
+        return renderer.source if renderer else None
+
+    def _call_format(self) -> str:
+        return self.tools.call_format(self._template(), self.state.settings.tool_call_parser)
+
+    def _parser(self) -> ToolParser:
+        return self.tools.parser(self._template(), self.state.settings.tool_call_parser)
 
     # -------------------------------------------------------------- streaming
 

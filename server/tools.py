@@ -6,8 +6,9 @@ how its text becomes ``tool_calls``.
   message that teaches the Hermes format. The output is parsed with the template's format
   (``server/tool_parsers.py``; ``--tool-call-parser`` overrides).
 - ``"required"`` or a named function: generation is constrained by a grammar (llguidance Lark
-  with each function's parameters as a JSON schema) to Hermes-format calls, so the calls always
-  parse and their arguments are valid against the parameters. ``parallel_tool_calls`` false:
+  with each function's parameters as a JSON schema) to calls in the format the output is parsed
+  with (Hermes tags, or Llama 3's bare JSON), so the calls always parse and their arguments are
+  valid against the parameters. ``parallel_tool_calls`` false:
   exactly one call (``"auto"``: only the first call the model wrote is returned).
 - ``"none"``: the template still sees the tools, nothing is parsed.
 """
@@ -64,39 +65,49 @@ class ToolPlan:
     def forced(self) -> bool:
         return self.choice in ("required", "function")
 
-    def parser(self, template: str | None, override: str | None) -> ToolParser:
-        """Forced calls are Hermes-format by construction; otherwise the template's format."""
-        if self.forced:
-            return make_parser("hermes", self.names)
-        return make_parser(override or parser_name_for_template(template), self.names)
+    def call_format(self, template: str | None, override: str | None) -> str:
+        """The parser name the calls are written and read in: ``--tool-call-parser``, else the
+        template's; Hermes when the tools reach the model through our system message (which
+        teaches that format)."""
+        if override:
+            return override
+        if not template_uses(template, "tools"):
+            return "hermes"
+        return parser_name_for_template(template)
 
-    def grammar(self) -> StructuredSpec | None:
-        """The Lark grammar of a forced call (None unless ``required`` / a named function)."""
+    def parser(self, template: str | None, override: str | None) -> ToolParser:
+        return make_parser(self.call_format(template, override), self.names)
+
+    def grammar(self, call_format: str = "hermes") -> StructuredSpec | None:
+        """The Lark grammar of forced calls written in ``call_format`` (None unless
+        ``required`` / a named function): Hermes ``<tool_call>`` blocks on their own lines, or
+        Llama 3's bare ``{"name": ..., "parameters": ...}`` objects joined by ``"; "``."""
         if not self.forced:
             return None
         funcs = [t["function"] for t in self.tools]
         if self.forced_name is not None:
             funcs = [f for f in funcs if f["name"] == self.forced_name]
+        args_key = "parameters" if call_format == "llama3_json" else "arguments"
         bodies = []
         for i, f in enumerate(funcs):
             schema = {
                 "type": "object",
                 "properties": {
                     "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or {"type": "object"},
+                    args_key: f.get("parameters") or {"type": "object"},
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", args_key],
                 "additionalProperties": False,
                 "x-guidance": _COMPACT,
             }
             bodies.append(f"body{i}: %json {json.dumps(schema)}")
-        calls = "call" if not self.parallel else 'call ("\\n" call)*'
-        lines = [
-            f"start: {calls}",
-            f'call: "{HERMES_OPEN}\\n" ({" | ".join(f"body{i}" for i in range(len(funcs)))}) '
-            f'"\\n{HERMES_CLOSE}"',
-            *bodies,
-        ]
+        body = f"({' | '.join(f'body{i}' for i in range(len(funcs)))})"
+        if call_format == "llama3_json":
+            call, sep = body, '"; "'
+        else:
+            call, sep = f'"{HERMES_OPEN}\\n" {body} "\\n{HERMES_CLOSE}"', '"\\n"'
+        calls = "call" if not self.parallel else f"call ({sep} call)*"
+        lines = [f"start: {calls}", f"call: {call}", *bodies]
         return StructuredSpec("grammar", "\n".join(lines), "tools")
 
     def system_prompt(self) -> str:

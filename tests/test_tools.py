@@ -18,6 +18,7 @@ import pytest
 from server_utils import RemoteServer, metric, scrape_metrics
 from tandem.models.builtin import CACHE_ENV, builtin_model_path
 from tandem.models.heads import builtin_head_path
+from tandem.server.protocol import ChatCompletionRequest
 
 WEATHER = {
     "type": "function",
@@ -225,3 +226,63 @@ def test_forced_calls_under_speculation_equal_greedy_without(folder: Path, clien
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         (c.function.name, c.function.arguments) for c in plain
     ]
+
+
+@pytest.mark.parametrize("call_format", ["hermes", "llama3_json"])
+def test_forced_calls_are_written_in_the_format_they_are_parsed_in(
+    folder: Path, call_format: str
+) -> None:
+    """A forced call's grammar writes the parser's own format (Hermes tags, or Llama 3's bare
+    JSON with "parameters"), so a server whose template or --tool-call-parser reads Llama 3 calls
+    gets them in that format; the other parser finds no call in the text. With parallel calls
+    the grammar takes two calls joined as the format joins them."""
+    from transformers import AutoTokenizer
+
+    from tandem import LLM, SamplingParams
+    from tandem.engine.structured_output import build_ll_tokenizer, compile_matcher
+    from tandem.server.tool_parsers import make_parser
+    from tandem.server.tools import plan_tools
+
+    def plan(parallel: bool):  # noqa: ANN202
+        req = ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "messages": ASK,
+                "tools": [WEATHER, ADD],
+                "tool_choice": "required",
+                "parallel_tool_calls": parallel,
+            }  # fmt: skip
+        )
+        return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+    single = plan(False)
+    assert single.call_format(None, call_format) == call_format
+    with LLM(str(folder), max_model_len=512) as llm:
+        outs = llm.generate(
+            ["Weather in Paris, then 2 + 3?"] * 3,
+            [SamplingParams(temperature=1.0, seed=s, max_tokens=120,
+                            structured=single.grammar(call_format)) for s in range(3)],
+        )  # fmt: skip
+    other = "hermes" if call_format == "llama3_json" else "llama3_json"
+    texts = []
+    for out in outs:
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        assert text.startswith("<tool_call>" if call_format == "hermes" else '{"name"'), text
+        (call,) = make_parser(call_format, single.names).parse(text).tool_calls
+        jsonschema.validate(json.loads(call.arguments), PARAMS[call.name])
+        assert not make_parser(other, single.names).parse(text).tool_calls, text
+        texts.append(text)
+    # Two calls joined ("\n" between Hermes blocks, "; " between Llama 3 objects): a whole
+    # message of the parallel grammar, and not of the single-call one.
+    two = ("\n" if call_format == "hermes" else "; ").join(texts[:2])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ll = build_ll_tokenizer(tokenizer, len(tokenizer), frozenset([tokenizer.eos_token_id]))
+    ids = tokenizer.encode(two, add_special_tokens=False)
+    for parallel, whole in ((True, True), (False, False)):
+        matcher = compile_matcher(ll, plan(parallel).grammar(call_format))
+        accepted = matcher.validate_tokens(ids)
+        assert (
+            accepted == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+        ) == whole
+    assert len(make_parser(call_format, single.names).parse(two).tool_calls) == 2
