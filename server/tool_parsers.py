@@ -1,6 +1,6 @@
 """Tool calls in generated text, in the formats chat templates teach models to write them.
 
-- ``hermes`` (Hermes, Qwen 2.5/3, and the format a forced call is written in here): each call is
+- ``hermes`` (Hermes, Qwen 2.5/3, and what our tools system message teaches): each call is
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text outside the tags is content.
 - ``llama3_json`` (Llama 3.1-3.3): the whole message is ``{"name": ..., "parameters": {...}}``
   (or ``"arguments"``), optionally after ``<|python_tag|>``, several joined by ``;``.
@@ -218,7 +218,7 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
 
 def parser_name_for_template(template: str | None) -> str:
     """The format a chat template teaches: Llama 3's when it mentions ``<|python_tag|>`` or
-    ``"parameters"`` with ``ipython``, else Hermes (also the format forced calls use)."""
+    ``"parameters"`` with ``ipython``, else Hermes."""
     t = template or ""
     if PYTHON_TAG in t or ("ipython" in t and "parameters" in t):
         return "llama3_json"
