@@ -59,6 +59,20 @@ def set_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
     return param
 
 
+def make_fp8(module: nn.Module, name: str, block: tuple[int, int]) -> None:
+    """Replace ``module.<name>`` ([..., N, K], same device and loader) with an empty
+    float8_e4m3fn parameter and add its block scales ``<name>_scale_inv`` [..., ceil(N / bn),
+    ceil(K / bk)] (a buffer the loader fills from the checkpoint)."""
+    old = getattr(module, name)
+    *lead, n, k = old.shape
+    fp8 = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=old.device)
+    setattr(module, name, set_loader(nn.Parameter(fp8, requires_grad=False), module.weight_loader))
+    grid = (*lead, -(-n // block[0]), -(-k // block[1]))
+    module.register_buffer(
+        f"{name}_scale_inv", torch.zeros(grid, device=old.device), persistent=False
+    )
+
+
 # ----------------------------------------------------------------------------- norms
 
 
@@ -399,19 +413,8 @@ class LinearBase(nn.Module):
         return all(r % block[0] == 0 for r in rows) and all(c % block[1] == 0 for c in cols)
 
     def to_fp8(self, block: tuple[int, int]) -> None:
-        n, k = self.weight.shape
         self.dense_dtype = self.weight.dtype
-        self.weight = set_loader(
-            nn.Parameter(
-                torch.empty(n, k, dtype=torch.float8_e4m3fn, device=self.weight.device),
-                requires_grad=False,
-            ),
-            self.weight_loader,
-        )
-        grid = (-(-n // block[0]), -(-k // block[1]))
-        self.register_buffer(
-            "weight_scale_inv", torch.zeros(grid, device=self.weight.device), persistent=False
-        )
+        make_fp8(self, "weight", block)
         self.fp8_block = block
 
     def _fp8_to_dense(self) -> None:

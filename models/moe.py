@@ -27,6 +27,7 @@ from tandem.models.layers import (
     copy_checked,
     default_weight_loader,
     loaded_shape,
+    make_fp8,
     read_loaded,
     set_loader,
     silu_and_mul,
@@ -102,17 +103,8 @@ class RoutedExperts(nn.Module):
         """Store ``w13`` / ``w2`` as float8_e4m3fn with their block scales (``w13_scale_inv``
         [E, 2I/bn, ceil(H/bk)], ``w2_scale_inv`` [E, ceil(H/bn), ceil(I/bk)])."""
         self.dense_dtype = self.w13.dtype
-        for name in ("w13", "w2"):
-            old = getattr(self, name)
-            e, n, k = old.shape
-            fp8 = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=old.device)
-            setattr(
-                self, name, set_loader(nn.Parameter(fp8, requires_grad=False), self.weight_loader)
-            )
-            grid = (e, -(-n // block[0]), -(-k // block[1]))
-            self.register_buffer(
-                f"{name}_scale_inv", torch.zeros(grid, device=old.device), persistent=False
-            )
+        make_fp8(self, "w13", block)
+        make_fp8(self, "w2", block)
         self.fp8_block = block
 
     def _fp8_to_dense(self) -> None:
