@@ -6,7 +6,8 @@ points (``write_kv_cache``, ``paged_attention``, ``grouped_topk``, ``moe_experts
 ``accept_matching``, ``rejection_sample``, ``build_draft_step0_inputs``) run on fake CUDA
 tensors (PyTorch's ``FakeTensorMode``: shapes and dtypes, no memory, no device) with the shapes
 of the model each shipped preset serves (its tensor-parallel size, attention DP, K, block size,
-batch limits), bf16 and fp16, K = 1..8, decode, verify and prefill; every launch is recorded
+batch limits), bf16 and fp16, K = 1..8, decode, verify, draft-tree verify and prefill; every
+launch is recorded
 instead of run. Each distinct variant (constexprs, argument dtypes, launch options) is compiled
 with ``triton.compile`` for ``cuda:80`` (A100), ``cuda:90`` (H100/H200) and ``cuda:100`` where
 the installed Triton knows it, and measured with the Triton wheel's ``cuobjdump -res-usage``.
@@ -78,6 +79,7 @@ PRESET_FAMILY = {
     "deepseek-v3-mtp-tp8": "deepseek-v3",
 }
 KS = range(1, 9)
+TREE_NODES = (4, 8, 16, 63)  # num_draft_tokens of draft trees
 DTYPES = (torch.bfloat16, torch.float16)
 
 _TYPE = {
@@ -268,17 +270,24 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
     tables = ints(seqs, blocks_per_seq, dt=torch.int32)
     phases = {"decode": 1, "prefill": shape.max_num_batched_tokens}
     phases.update({f"verify K={k}": k + 1 for k in KS})
+    # Draft trees: the root + num_draft_tokens rows with a tree mask (up to 64 rows).
+    phases.update({f"tree N={n}": n + 1 for n in TREE_NODES})
     for phase, q_len in phases.items():
         t = seqs * q_len
         seq_lens = ints(seqs, dt=torch.int32)
         qsl = ints(seqs + 1, dt=torch.int32)
+        tree_mask = ints(t) if phase.startswith("tree") else None
 
-        def attend(t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl) -> Any:
+        def attend(
+            t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl,
+            tree_mask: Any = tree_mask,
+        ) -> Any:  # fmt: skip
             q, kv = empty(t, heads, head_dim), empty(t, kv_heads, head_dim)  # (no views: fake
             write_kv_cache(kv, kv, cache, cache, ints(t), use_triton=True)  # CUDA views fail)
             return paged_attention(
-                q, cache, cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024, use_triton=True
-            )
+                q, cache, cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024,
+                use_triton=True, tree_mask=tree_mask,
+            )  # fmt: skip
 
         yield f"attention {phase}", attend
     if "experts" in f:

@@ -8,6 +8,13 @@ A batch concatenates the query tokens of its sequences (decode rows, prefill chu
 speculative K+1 verify rows may be mixed). Query token j of a sequence with KV length L and query
 length ql sits at position L - ql + j and attends to KV positions 0..L - ql + j (causal).
 
+Tree attention (draft-tree verification, engine/speculative/tree.py): an optional ``tree_mask``
+[num_tokens] int64 gives one word per query row. A row whose word is 0 is causal as above. A row
+j with a nonzero word sees every KV position before its sequence's first query row (the prefix,
+0..L - ql - 1) and, among the sequence's query rows 0..j, row i iff bit i of the word is set
+(rows past 63 are never seen through a word). A tree request's query rows are the root then the
+nodes in topological order, so a node's word holds the root, its ancestors and itself.
+
 Three implementations: `paged_attention_reference` (per-sequence loop, the test oracle),
 `_paged_attention_torch` (vectorized CPU path, one SDPA call) and a Triton kernel (CUDA, or CPU
 through the Triton interpreter). `paged_attention` dispatches between the last two.
@@ -116,6 +123,8 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    tree_mask: Tensor | None = None,
 ) -> Tensor:
     """Plain per-sequence loop; obviously correct and slow. Same contract as `paged_attention`."""
     del max_query_len, max_seq_len  # derived per sequence here
@@ -139,6 +148,13 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [H, ql, L]
         q_pos = torch.arange(seq_len - ql, seq_len, device=q.device)
         causal = pos[None, :] <= q_pos[:, None]  # [ql, L]
+        if tree_mask is not None:
+            ctx = seq_len - ql
+            for j, word in enumerate(tree_mask[start:end].tolist()):
+                if word != 0:
+                    rows = [i for i in range(min(j + 1, 64)) if (word >> i) & 1]
+                    causal[j, ctx:] = False
+                    causal[j, [ctx + i for i in rows]] = True
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -165,6 +181,7 @@ class AttentionPlan:
     causal:   every sequence's queries are all of its positions (a prefill with nothing cached):
               the mask is plain causal, which SDPA runs without it (CPU only: deciding reads
               the sequence lengths).
+    tree:     the mask includes a tree mask (``paged_attention``'s ``tree_mask``).
     """
 
     slots: Tensor
@@ -178,6 +195,7 @@ class AttentionPlan:
     write_slots: Tensor | None = None
     write_rows: Tensor | None = None
     causal: bool = False
+    tree: bool = False
 
 
 def build_attention_plan(
@@ -191,6 +209,7 @@ def build_attention_plan(
     num_tokens: int | None = None,
     full_keys: bool = False,
     slot_mapping: Tensor | None = None,
+    tree_mask: Tensor | None = None,
 ) -> AttentionPlan:
     """Precompute gather slots, padding indices and the attention mask for one batch.
 
@@ -198,7 +217,8 @@ def build_attention_plan(
     `query_start_loc[-1]`. `full_keys`: the caller knows every sequence has exactly
     `max_seq_len` KV positions, so with one query token per sequence no mask is needed.
     `slot_mapping` (host-side tensor): the step's KV-write slots, filtered here once for every
-    layer's `write_kv_cache`.
+    layer's `write_kv_cache`. `tree_mask` [num_tokens] int64: the rows' tree words (see the
+    module docstring), folded into the mask.
     """
     if num_tokens is None:
         num_tokens = int(query_start_loc[-1])
@@ -217,29 +237,41 @@ def build_attention_plan(
         slots = torch.where(key_valid, slots, torch.zeros_like(slots))
     # Flat: index_select on [num_slots, Hkv, D] is several times faster than [B, S] indexing.
     slots = slots.view(-1)
+    tree = tree_mask is not None
     causal = (
         device.type == "cpu"
+        and not tree
         and not decode
         and max_query_len == max_seq_len
         and num_tokens == int(seq_lens.sum())  # query lengths <= sequence lengths: all equal
     )
-    mask = None
-    if not (decode and full_keys) and not causal:
-        query_lens = qsl[1:] - qsl[:-1]  # [B]
-        j = torch.arange(max_query_len, device=device)
-        q_pos = (seq_lens - query_lens)[:, None] + j[None, :]  # [B, Q]
-        # Padded query rows (j >= ql) get q_pos >= seq_len, so they still see every valid key
-        # and never form an all-masked (NaN) row; they are dropped when unpadding anyway.
-        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
-        if key_valid is not None:
-            mask = mask & key_valid[:, None, :]
-        mask = mask[:, None]
-
     pad_idx = None
     if not decode:
         tok = torch.arange(num_tokens, device=device)
         seq_id = torch.searchsorted(qsl[1:], tok, right=True)  # [T]
         pad_idx = seq_id * max_query_len + (tok - qsl[seq_id])
+    mask = None
+    if not (decode and full_keys and not tree) and not causal:
+        query_lens = qsl[1:] - qsl[:-1]  # [B]
+        j = torch.arange(max_query_len, device=device)
+        ctx_lens = seq_lens - query_lens  # [B] KV positions before each sequence's queries
+        q_pos = ctx_lens[:, None] + j[None, :]  # [B, Q]
+        # Padded query rows (j >= ql) get q_pos >= seq_len, so they still see every valid key
+        # and never form an all-masked (NaN) row; they are dropped when unpadding anyway.
+        mask = pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, S]
+        if tree_mask is not None:
+            words = tree_mask.long()
+            if pad_idx is not None:  # padded rows get word 0: causal
+                words = words.new_zeros(num_seqs * max_query_len).index_copy_(0, pad_idx, words)
+            words = words.view(num_seqs, max_query_len, 1)
+            rel = pos[None, :] - ctx_lens[:, None]  # [B, S] position among the query rows
+            bit = (words >> rel.clamp(0, 63)[:, None, :]) & 1  # [B, Q, S]
+            in_tree = (rel < 64)[:, None, :] & (bit != 0) & mask
+            tree_visible = (rel < 0)[:, None, :] | in_tree
+            mask = torch.where(words != 0, tree_visible, mask)
+        if key_valid is not None:
+            mask = mask & key_valid[:, None, :]
+        mask = mask[:, None]
     write_slots = write_rows = None
     if slot_mapping is not None:
         valid = slot_mapping >= 0
@@ -260,6 +292,7 @@ def build_attention_plan(
         write_slots=write_slots,
         write_rows=write_rows,
         causal=causal,
+        tree=tree,
     )
 
 
@@ -326,6 +359,7 @@ def paged_attention(
     *,
     plan: AttentionPlan | None = None,
     use_triton: bool | None = None,
+    tree_mask: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged KV cache.
 
@@ -334,11 +368,20 @@ def paged_attention(
     [num_tokens, num_heads, head_dim] in q's dtype. `use_triton=None` picks Triton on CUDA and
     the PyTorch path elsewhere; `use_triton=True` on CPU runs the kernel in the Triton
     interpreter (tests). `plan` (PyTorch path only) lets all layers of a step share indices.
+    `tree_mask` [num_tokens] int64 (see the module docstring): tree attention for the rows with
+    a nonzero word; a `plan` must have been built with it.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if tree_mask is not None and (
+        tree_mask.shape != (q.shape[0],) or tree_mask.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"tree_mask must be int64 [num_tokens] = [{q.shape[0]}], got "
+            f"{tree_mask.dtype} {list(tree_mask.shape)}"
         )
     if use_triton is None:
         use_triton = gpu_paths(q) and HAS_TRITON
@@ -346,7 +389,15 @@ def paged_attention(
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
         return _paged_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            tree_mask,
         )
     if plan is None:
         plan = build_attention_plan(
@@ -357,8 +408,14 @@ def paged_attention(
             max_query_len,
             max_seq_len,
             num_tokens=q.shape[0],
+            tree_mask=tree_mask,
         )
-    elif plan.num_tokens != q.shape[0] or plan.block_size != k_cache.shape[1]:
+    elif plan.tree != (tree_mask is not None):
+        raise ValueError(
+            "plan was built " + ("with" if plan.tree else "without") + " a tree mask, but "
+            "tree_mask is " + ("None" if tree_mask is None else "given")
+        )
+    if plan.num_tokens != q.shape[0] or plan.block_size != k_cache.shape[1]:
         raise ValueError(
             f"plan was built for {plan.num_tokens} tokens / block_size {plan.block_size}, "
             f"got {q.shape[0]} tokens / block_size {k_cache.shape[1]}"
@@ -458,7 +515,7 @@ if HAS_TRITON:
     def _paged_attention_kernel(
         q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, out_ptr: tl.tensor,
         block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor, query_start_loc_ptr: tl.tensor,
-        scale_log2e: tl.tensor,
+        tree_mask_ptr: tl.tensor, scale_log2e: tl.tensor,
         stride_qt: tl.tensor, stride_qh: tl.tensor,
         stride_kb: tl.tensor, stride_ks: tl.tensor, stride_kh: tl.tensor,
         stride_vb: tl.tensor, stride_vs: tl.tensor, stride_vh: tl.tensor,
@@ -467,7 +524,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
-        DOT_FP32: tl.constexpr,
+        DOT_FP32: tl.constexpr, TREE: tl.constexpr,
     ) -> None:  # fmt: skip
         # Program = (sequence, kv head x value chunk, block of BLOCK_Q query tokens). Its BLOCK_M
         # rows pack BLOCK_Q tokens x GROUP query heads that share the kv head (GQA), so decode
@@ -475,6 +532,8 @@ if HAS_TRITON:
         # positions. Scores sum over HEAD_DIM in chunks of BLOCK_DK; the program writes output
         # columns [c * BLOCK_DV, (c + 1) * BLOCK_DV) of its value chunk c. Wide heads (MLA's
         # latent 512 + rope 64) thus never hold a whole row in registers or shared memory.
+        # TREE: rows with a nonzero tree word see the prefix and the query rows of their word
+        # (tree_mask_ptr is unused otherwise).
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // NUM_DV
         dv0 = (tl.program_id(1) % NUM_DV) * BLOCK_DV
@@ -490,6 +549,8 @@ if HAS_TRITON:
         q_pos = ctx_len + q_idx  # causal limit of each row
         tok = (q_start + q_idx).to(tl.int64)
         q_rows = q_ptr + tok * stride_qt + head * stride_qh  # [BLOCK_M] row starts
+        if TREE:
+            word = tl.load(tree_mask_ptr + tok, mask=row_valid, other=0)  # [BLOCK_M] int64
         dk = tl.arange(0, BLOCK_DK)
         if HEAD_DIM <= BLOCK_DK:  # one chunk: load the queries once
             q_one = tl.load(q_rows[:, None] + dk[None, :],
@@ -530,7 +591,15 @@ if HAS_TRITON:
                 else:
                     s += tl.dot(q, tl.trans(k))
             s = s * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
-            visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            visible = n[None, :] <= q_pos[:, None]
+            if TREE:
+                rel = n - ctx_len  # [BLOCK_N] index among the sequence's query rows
+                shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+                bit = (word[:, None] >> shift[None, :]) & 1
+                in_tree = visible & (bit != 0) & (rel < 64)[None, :]
+                tree_visible = (rel < 0)[None, :] | in_tree
+                visible = tl.where(word[:, None] != 0, tree_visible, visible)
+            visible = visible & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with nothing visible yet keeps m = -inf; subtract 0 instead (no NaN).
@@ -579,6 +648,7 @@ def _paged_attention_triton(
     query_start_loc: Tensor,
     scale: float,
     max_query_len: int,
+    tree_mask: Tensor | None = None,
 ) -> Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -592,7 +662,8 @@ def _paged_attention_triton(
     block_tables = block_tables.to(torch.int32)
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    plan = attention_tiles(group, head_dim, max_query_len, q.dtype, q.is_cuda)
+    tree = tree_mask is not None
+    plan = attention_tiles(group, head_dim, max_query_len, q.dtype, q.is_cuda, tree=tree)
     block_q, block_m, block_n, block_dk, block_dv, num_warps = plan
     num_dv = triton.cdiv(head_dim, block_dv)
     grid = (num_seqs, num_kv_heads * num_dv, triton.cdiv(max_query_len, block_q))
@@ -600,10 +671,12 @@ def _paged_attention_triton(
     # (triton 3.9), so interpreted runs compute every dot in fp32.
     dot_fp32 = q.dtype == torch.float32 or not q.is_cuda
     options = {"num_warps": num_warps} if q.is_cuda else {}
+    seq_lens, query_start_loc = seq_lens.to(torch.int32), query_start_loc.to(torch.int32)
     _launch(
         _paged_attention_kernel, grid, q.device,
         q, k_cache, v_cache, out,
-        block_tables, seq_lens.to(torch.int32), query_start_loc.to(torch.int32),
+        block_tables, seq_lens, query_start_loc,
+        tree_mask.contiguous() if tree else seq_lens,  # unused without TREE
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -611,13 +684,19 @@ def _paged_attention_triton(
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         group, block_size, head_dim,
-        block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, **options,
+        block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, tree, **options,
     )  # fmt: skip
     return out
 
 
 def attention_tiles(
-    group: int, head_dim: int, max_query_len: int, dtype: torch.dtype, on_gpu: bool
+    group: int,
+    head_dim: int,
+    max_query_len: int,
+    dtype: torch.dtype,
+    on_gpu: bool,
+    *,
+    tree: bool = False,
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_DK, BLOCK_DV, num_warps) of the attention kernel.
 
@@ -627,7 +706,9 @@ def attention_tiles(
     spills (``python -m tandem.kernels.aot`` checks every variant for sm_80 / sm_90: registers,
     spills, shared memory). Eight warps where the tiles are large. The interpreter is slow per
     element: 16-row tiles there, and 32-wide chunks, so heads wider than 32 run the chunked
-    code paths in the interpreter tests."""
+    code paths in the interpreter tests. ``tree``: the tree-mask variant; its per-tile bit
+    tests cost registers (the AOT check measured spills on sm_80 with the chain's KV tiles:
+    88 B for SmolLM's 32-row tiles, 208 B for MLA's), so it runs half as many KV positions."""
     if not on_gpu:
         block_q = max(1, min(16 // group, max_query_len))
         block_d = min(32, max(16, _next_pow2(head_dim)))
@@ -639,6 +720,8 @@ def attention_tiles(
     block_dk = 64 if wide else block_d
     block_dv = 64 if wide else block_d
     block_n = 32 if block_m * block_dk >= 64 * 128 else 64  # big query tiles: shorter KV tiles
+    if tree:
+        block_n = max(16, block_n // 2)
     big = block_m >= 64 or block_dk >= 128
     del dtype  # the same tiles for bf16, fp16 and fp32 (fp32 dots are exact, see the caller)
     return block_q, block_m, block_n, block_dk, block_dv, 8 if big else 4
