@@ -68,6 +68,7 @@ PING_INTERVAL_S = 2.0
 
 class Executor:
     num_blocks: int
+    worker: Worker  # the rank that runs in this process (rank 0)
 
     def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         raise NotImplementedError

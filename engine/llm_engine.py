@@ -49,17 +49,24 @@ def as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
+def model_eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a sequence: the generation config's, the model config's and the
+    tokenizer's."""
+    generation_config = load_generation_config(model_config.model)
+    return frozenset(
+        as_id_set(generation_config.get("eos_token_id"))
+        | as_id_set(getattr(model_config.hf_config, "eos_token_id", None))
+        | as_id_set(tokenizer.eos_token_id)
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         mc = config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer)
         self.generation_config = load_generation_config(mc.model)
-        self.eos_token_ids = frozenset(
-            as_id_set(self.generation_config.get("eos_token_id"))
-            | as_id_set(getattr(mc.hf_config, "eos_token_id", None))
-            | as_id_set(self.tokenizer.eos_token_id)
-        )
+        self.eos_token_ids = model_eos_token_ids(mc, self.tokenizer)
         self.executor = executor or make_executor(config)
         cc = config.cache_config
         sc = config.speculative_config
@@ -111,6 +118,11 @@ class LLMEngine:
         # ready. Requests that failed there (or whose grammar reached a dead end) are reported by
         # ``take_failed`` and never finish normally.
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        grammars = self.executor.worker.runner.grammars
+        if grammars is not None:
+            # The rank in this process masks drafts with the engine's compiler (a request's
+            # grammar is compiled before it is scheduled); rank processes build their own.
+            grammars.use_compiler(lambda: self.structured.compiler)
         self.failed: list[tuple[str, str]] = []
         self.bitmask_width = -(-max(mc.vocab_size, len(self.tokenizer)) // 32)
 
@@ -210,6 +222,10 @@ class LLMEngine:
         for s in scheduled:
             r = s.request
             sample = s.samples
+            bitmask = masks.get(r.request_id) if masks and sample else None
+            # Masked drafting: each rank syncs its own matcher to the output tokens (matchers
+            # cannot travel between processes); see engine/speculative/draft_grammar.py.
+            grammar = bitmask is not None and propose_drafts and self.num_spec_tokens > 0
             pen = sample and r.params.uses_penalties
             end = s.start + s.num_new_tokens - s.num_drafts
             tokens = r.all_token_ids[s.start : end]
@@ -224,7 +240,7 @@ class LLMEngine:
                     sample=sample,
                     params=r.params if sample else None,
                     prompt_token_ids=r.prompt_token_ids if pen else [],
-                    output_token_ids=r.output_token_ids if pen else [],
+                    output_token_ids=r.output_token_ids if pen or grammar else [],
                     num_drafts=s.num_drafts,
                     next_token=r.all_token_ids[end] if end < r.num_tokens else 0,
                     future_tokens=(
@@ -232,7 +248,7 @@ class LLMEngine:
                         if self.vanilla_mtp and not sample
                         else []
                     ),
-                    token_bitmask=masks.get(r.request_id) if masks and sample else None,
+                    token_bitmask=bitmask,
                 )
             )
         return StepInput(steps, finished, propose_drafts)
@@ -354,8 +370,10 @@ class LLMEngine:
         """The drafts of a constrained request worth verifying. A draft the grammar forbids is
         always rejected (the masked target gives it probability 0), so the drafts after it are
         never used: they are cut. The forbidden draft itself is cut only for greedy requests
-        (the masked argmax at its position does not depend on it). A sampled request keeps it:
-        drafts are sampled from the unmasked draft distribution q, and rejection sampling is
+        (the masked argmax at its position does not depend on it). Drafting is masked by the
+        grammar (engine/speculative/draft_grammar.py), so a forbidden draft is rare: a row whose
+        draft vocabulary the grammar leaves empty, or a loop that could not mask. A sampled
+        request keeps it: such a draft is sampled from an unmasked q, and rejection sampling is
         exact only over every draft q proposes — a rejected forbidden draft's position must be
         sampled from the residual norm(max(0, p' - q)), not from p' (cutting it would sample p'
         there, over-weighting tokens q favours; the distribution test catches that)."""

@@ -30,6 +30,7 @@ from tandem.engine.sampler import (
     sample,
 )
 from tandem.engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
+from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.interface import SpecMetadata
 from tandem.engine.step import (
     ADP_DUMMY_REQUEST_ID,
@@ -100,6 +101,8 @@ class ModelRunner:
             SpecMetadata(spec.k, spec.config.use_rejection_sampling) if spec is not None else None
         )
         self.generators: dict[str, torch.Generator] = {}
+        # Masked drafting of constrained requests (set by the worker under speculation).
+        self.grammars: DraftGrammars | None = None
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         torch.manual_seed(seed)
 
@@ -320,7 +323,12 @@ class ModelRunner:
         if not own.requests:  # no rank has work: no collective at all
             return self.execute(own)
         advanced, plan = self.plan_graph(own.requests)
-        if not own.propose_drafts:  # paused speculation runs eagerly (every rank agrees)
+        masked = self.grammars is not None and any(
+            r.token_bitmask is not None for s in steps for r in s.requests
+        )
+        if not own.propose_drafts or masked:
+            # Paused speculation, or masked drafting somewhere (host reads inside the draft
+            # loop): every rank runs eagerly (every rank knows every entry, so all agree).
             plan = GraphPlan(None, 0)
         if plan.key is not None:  # every rank pads to the same bucket (all know every entry)
             steps = [self.pad_generation(s, plan.key.batch_size - len(s.requests)) for s in steps]
@@ -390,6 +398,8 @@ class ModelRunner:
             self.generators.pop(rid, None)
         if self.spec is not None:
             self.spec.forget(step.finished_request_ids)
+        if self.grammars is not None:
+            self.grammars.forget(step.finished_request_ids)
         if not step.requests:
             return StepOutput([], [], [])
         inp = self.prepare(step, adp_counts)
@@ -435,8 +445,10 @@ class ModelRunner:
         for unconstrained requests and past a request's drafts (those columns repeat a row whose
         token is never used).
 
-        Exactness (speculative sampling with the target masked, the draft not): drafts come
-        from the unmasked draft distribution q; verification takes the masked, renormalised
+        Exactness (speculative sampling with the target masked): drafts come from the draft
+        distribution q (masked by the grammar too where the draft loop could mask it, see
+        engine/speculative/draft_grammar.py; unmasked elsewhere: the proof needs only that the
+        q verified is the q drawn from); verification takes the masked, renormalised
         target p' (p' = 0 where the grammar forbids), accepts draft d with min(1, p'(d) / q(d))
         and on rejection samples norm(max(0, p' - q)). For any q, x is emitted with
         probability q(x) min(1, p'(x) / q(x)) + (1 - sum_y min(q(y), p'(y))) norm(max(0, p' -
@@ -515,21 +527,21 @@ class ModelRunner:
             new_drafts = tokens.new_empty((b, 0))
             spec.forget(request_ids)
         else:
-            propose = spec.propose if replay is None else replay.propose
-            new_drafts = propose(
-                inp,
-                inp.input_ids,
-                inp.positions,
-                inp.meta,
-                draft_hidden,
-                inp.next_tokens,
-                layout,
-                num_accepted,
-                tokens,
-                st,
-                meta,
-                request_ids,
-            )
+            args = (inp, inp.input_ids, inp.positions, inp.meta, draft_hidden, inp.next_tokens)
+            args += (layout, num_accepted, tokens, st, meta, request_ids)
+            masker = None
+            if self.grammars is not None:
+                masker = self.grammars.masker(inp.sampled, num_accepted, tokens)
+            if masker is None:
+                propose = spec.propose if replay is None else replay.propose
+                new_drafts = propose(*args)
+            else:
+                # Masked drafting (structured output): the hook reads tensors on the host, so
+                # the draft loop runs eagerly even after a replayed target forward.
+                try:
+                    new_drafts = spec.propose(*args, draft_mask=masker)
+                finally:
+                    masker.close()
         lp = None
         if st.max_num_logprobs > 0:
             full = widen_columns(logits, k1).reshape(b * k1, -1)

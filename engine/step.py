@@ -32,6 +32,7 @@ class RequestStep:
     sample: bool  # the step reaches the end of the request's tokens: its last rows are sampled
     params: SamplingParams | None = None  # set when sample
     prompt_token_ids: list[int] = field(default_factory=list)  # only when penalties are used
+    # Penalties, and a constrained request's masked drafting (the rank's matcher follows them).
     output_token_ids: list[int] = field(default_factory=list)
     num_drafts: int = 0  # the last num_drafts entries of token_ids are drafts to verify
     next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt

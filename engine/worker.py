@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -12,7 +13,9 @@ from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_m
 from tandem.engine.graph_runner import GraphRunner
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
+from tandem.engine.structured_output import GrammarCompiler
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.layers import (
     pack_cpu_linears,
@@ -102,6 +105,17 @@ def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -
     return layers
 
 
+def grammar_compiler(config: EngineConfig) -> GrammarCompiler:
+    """A rank's own grammar compiler for masked drafting, built as the engine builds its own
+    (the model's tokenizer and end-of-sequence ids): the engine's matchers cannot travel here."""
+    # Imported here: the engine module imports the executor, which imports this one.
+    from tandem.engine.llm_engine import load_tokenizer, model_eos_token_ids
+
+    mc = config.model_config
+    tokenizer = load_tokenizer(mc.tokenizer)
+    return GrammarCompiler(tokenizer, mc.vocab_size, model_eos_token_ids(mc, tokenizer))
+
+
 class Worker:
     def __init__(
         self,
@@ -157,6 +171,8 @@ class Worker:
             capture,
             dp_rank=self.mapping.tp_rank if self.mapping.enable_attention_dp else 0,
         )
+        if spec is not None:
+            self.runner.grammars = DraftGrammars(partial(grammar_compiler, config))
         gc = config.graph_config
         mode = graph_mode(config.device, gc.enforce_eager)
         self.runner.graphs = CUDAGraphRunner(

@@ -132,8 +132,8 @@ def test_inner_an_item_in_the_draft_loop_is_caught(
 
     real = decoder.SpecDecoder.draft_loop
 
-    def draft_loop_with_an_item(self: Any, *args: Any) -> Any:
-        out = real(self, *args)
+    def draft_loop_with_an_item(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, *args, **kwargs)
         print("ITEM CALLED", flush=True)
         out[0].sum().item()
         return out

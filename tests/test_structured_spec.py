@@ -82,6 +82,12 @@ def setup(models: dict[str, Path], name: str, k: int) -> tuple[Path, dict[str, A
         }
     if name == "mtp-random":
         return models["target"], {"method": "mtp", "num_speculative_tokens": k}
+    if name == "mtp-vanilla":  # three MTP layers: K = 3 whatever ``k`` says
+        return models["vanilla"], {
+            "method": "mtp",
+            "mtp_mode": "vanilla",
+            "num_speculative_tokens": 3,
+        }
     if name == "eagle3-near":
         return models["near"], {
             "method": "eagle3",
@@ -344,4 +350,125 @@ def test_attention_dp_masks_each_ranks_requests(
             outs = llm.generate(PROMPTS + PROMPTS, [greedy(grammar)] * len(PROMPTS) + [hot] * 4)
             assert tokens(outs[: len(PROMPTS)]) == baseline["perfect", grammar], grammar
             for o in outs[len(PROMPTS) :]:
+                check(grammar, o.outputs[0].text)
+
+
+def record_steps(llm: LLM) -> list[tuple[str, list[int], list[int]]]:
+    """Wrap the engine's executor: every step appends (request id, tokens it emitted, drafts it
+    proposed for the next step) per sampled request, the drafts raw (before the engine cuts
+    them)."""
+    executor = llm.engine.executor
+    real = executor.execute
+    seen: list[tuple[str, list[int], list[int]]] = []
+
+    def execute(step: Any) -> Any:
+        out = real(step)
+        for i, rid in enumerate(out.request_ids):
+            seen.append((rid, list(out.token_ids[i]), list(out.draft_token_ids[i])))
+        return out
+
+    executor.execute = execute  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", ["mtp-random", "eagle3-random", "eagle3-near", "mtp-vanilla"])
+def test_drafts_are_allowed_by_the_grammar(
+    models: dict[str, Path], name: str, temperature: float
+) -> None:
+    """Masked drafting: every draft proposed for a constrained request is one the grammar allows
+    after the request's output and the drafts before it, until the grammar ends. The one
+    exception: a position where the grammar allows no token of the draft head's vocabulary
+    (an Eagle3 head with a smaller vocabulary) keeps its unmasked draft."""
+    target, spec = setup(models, name, 3)
+    with LLM(str(target), speculative_config=spec) as llm:
+        steps = record_steps(llm)
+        compiler = llm.engine.structured.compiler
+        draft = llm.engine.executor.worker.runner.spec.draft
+        vocab = int(compiler.ll_tokenizer.vocab_size)
+        d2t = getattr(draft, "d2t", None)
+        drafts_vocab = (
+            set(range(vocab)) if d2t is None else {i + int(d) for i, d in enumerate(d2t.tolist())}
+        )
+        checked = fallback = 0
+        for grammar, spec_ in GRAMMARS.items():
+            params = SamplingParams(
+                temperature=temperature, seed=4, max_tokens=150, structured=spec_
+            )
+            steps.clear()
+            llm.generate(PROMPTS, params)
+            emitted: dict[str, list[int]] = {}
+            for rid, toks, drafts in steps:
+                emitted.setdefault(rid, []).extend(toks)
+                m = compiler.matcher(spec_)
+                if m.try_consume_tokens(emitted[rid]) < len(emitted[rid]) or m.is_stopped():
+                    continue  # the request finished with this step
+                for d in drafts:
+                    if m.is_stopped():
+                        break  # past the grammar's end nothing is masked
+                    if not m.try_consume_tokens([d]):
+                        allowed = set(_allowed(m, vocab))
+                        assert not allowed & drafts_vocab, (grammar, rid, d)
+                        fallback += 1
+                        break
+                    checked += 1
+        assert checked > 50, checked
+        if d2t is None:
+            assert fallback == 0
+
+
+def _allowed(matcher: Any, vocab: int) -> list[int]:
+    """The token ids ``matcher`` allows next."""
+    import llguidance.torch
+    import torch
+
+    mask = llguidance.torch.allocate_token_bitmask(1, vocab)
+    llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+    bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("name", ["eagle3-near", "mtp-perfect"])
+def test_masked_drafting_raises_acceptance_under_a_grammar(
+    models: dict[str, Path], baseline: dict[tuple[str, str], list[list[int]]], name: str
+) -> None:
+    """A near-perfect head drafts the target's unmasked choice, which the grammar often forbids;
+    masked, it drafts the target's constrained choice: accepted tokens per step rise, and the
+    greedy output is the same either way (constrained greedy without speculation)."""
+    target, spec = setup(models, name, 3)
+    per_step = {}
+    with LLM(str(target), speculative_config=spec) as llm:
+        runner = llm.engine.executor.worker.runner
+        grammars = runner.grammars
+        steps = record_steps(llm)
+        for masked in (True, False):
+            runner.grammars = grammars if masked else None
+            steps.clear()
+            outs = llm.generate(PROMPTS, greedy("json"))
+            assert tokens(outs) == baseline[target.name, "json"], masked
+            per_step[masked] = sum(len(t) for _, t, _ in steps) / len(steps)
+    print(f"{name}: tokens per step under the JSON schema, masked drafting {per_step}")
+    assert per_step[True] > per_step[False] + 0.3, per_step
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_mask_the_same_drafts(
+    models: dict[str, Path], baseline: dict[tuple[str, str], list[list[int]]]
+) -> None:
+    """TP = 2: every rank keeps its own matchers (they cannot travel between processes) and masks
+    the drafts the same way, or the sharded draft layers would mix two drafts: greedy equals
+    constrained greedy, sampled output matches the grammar, and the near-perfect head keeps the
+    masked acceptance (unmasked it makes ~1.1 tokens per step here)."""
+    target, spec = setup(models, "mtp-perfect", 3)
+    with LLM(str(target), speculative_config=spec, tensor_parallel_size=2, dtype="float32") as llm:
+        steps = record_steps(llm)
+        for grammar, spec_ in GRAMMARS.items():
+            steps.clear()
+            outs = llm.generate(PROMPTS, greedy(grammar))
+            assert tokens(outs) == baseline["perfect", grammar], grammar
+            if grammar == "json":
+                per_step = sum(len(t) for _, t, _ in steps) / len(steps)
+                assert per_step > 1.6, per_step
+            hot = SamplingParams(temperature=1.0, seed=5, max_tokens=150, structured=spec_)
+            for o in llm.generate(PROMPTS, hot):
                 check(grammar, o.outputs[0].text)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.engine.sampler import SamplingTensors, probs_for_rows
+from tandem.engine.sampler import SamplingTensors, probs_for_rows, token_bitmask_allowed
+from tandem.engine.speculative.draft_grammar import DraftMask
 from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
 from tandem.kernels import cpu_decode
 from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
@@ -186,8 +187,10 @@ class SpecDecoder:
         st: SamplingTensors,
         meta: SpecMetadata,
         request_ids: list[str],
+        draft_mask: DraftMask | None = None,
     ) -> Tensor:
-        """Run the K draft steps; returns [B, K] draft tokens (target vocabulary)."""
+        """Run the K draft steps; returns [B, K] draft tokens (target vocabulary).
+        ``draft_mask``: see ``draft_loop``."""
         new_drafts, q_all = self.draft_loop(
             inp,
             input_ids,
@@ -200,6 +203,7 @@ class SpecDecoder:
             tokens,
             st,
             meta,
+            draft_mask=draft_mask,
         )
         self.keep_q(request_ids, q_all)
         return new_drafts
@@ -237,10 +241,20 @@ class SpecDecoder:
         st: SamplingTensors,
         meta: SpecMetadata,
         draft_noise: Tensor | None = None,
+        draft_mask: DraftMask | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The K draft steps as tensor work only (no host reads, no per-request state): returns
         (drafts [B, K], q [B, K, V] when drafts were sampled, else None). ``draft_noise``:
-        [K, B, V] pre-drawn sampling noise (``draw_draft_noise``); None draws it step by step."""
+        [K, B, V] pre-drawn sampling noise (``draw_draft_noise``); None draws it step by step.
+
+        ``draft_mask`` (structured output; engine/speculative/draft_grammar.py): called before
+        each draft position j with the drafts so far, it returns the [B, W] grammar bitmask of
+        position j; the draft logits are masked in the target vocabulary before the argmax or
+        the sample, and the stored q is the masked one the draft was drawn from. The hook reads
+        tensors on the host, so a masked loop runs eagerly and step by step (no fast chain).
+        Not applied under attention DP with LM-head TP and greedy drafting (the sharded argmax
+        is a collective over every rank's rows): those drafts are unmasked, and the engine cuts
+        them at the first one the grammar forbids."""
         draft = self.draft
         # Step 0 runs on every row: each row's input token is the one after it. Rows are shifted
         # by one; each request's last row takes ``next_tokens`` (the next prompt token for a
@@ -275,7 +289,8 @@ class SpecDecoder:
             # Advanced sampling (and no LM-head TP): the replicated head, locally.
             logits = draft.compute_logits(layer, picked_hidden).float()
             noise = None if draft_noise is None else draft_noise[len(drafts)]
-            token, q = self._draft_token(logits, st, advanced, noise)
+            mask = None if draft_mask is None else draft_mask(len(drafts), drafts)
+            token, q = self._draft_token(logits, st, advanced, noise, mask)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
@@ -303,7 +318,8 @@ class SpecDecoder:
             emit(0, hidden)
             pos = layout.positions + num_accepted  # position of the picked row
             chain = None
-            if self.fast_chain and self.k > 1 and not advanced and not self.lm_head_tp:
+            fast = self.fast_chain and draft_mask is None
+            if fast and self.k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
             if chain is not None and target_meta.all_rank_num_picked is None:
@@ -358,27 +374,50 @@ class SpecDecoder:
                 emit(k, hidden[gather_ids])
 
     def _draft_token(
-        self, logits: Tensor, st: SamplingTensors, advanced: bool, noise: Tensor | None = None
+        self,
+        logits: Tensor,
+        st: SamplingTensors,
+        advanced: bool,
+        noise: Tensor | None = None,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Argmax, or a sample from q when rejection sampling will need q (``noise``: [B, V]
-        pre-drawn Exp(1) noise; None draws it here)."""
+        pre-drawn Exp(1) noise; None draws it here). ``mask``: [B, W] grammar bitmask over the
+        target vocabulary; a row it leaves no draft-vocabulary token keeps its unmasked logits
+        (its draft is then cut or rejected like any forbidden one)."""
+        vocab = int(self.draft.config.vocab_size)
         if not advanced:
+            if mask is not None:  # masked in the draft vocabulary (no [B, V] scatter)
+                allowed = token_bitmask_allowed(mask, vocab)  # [B, V]
+                index = self._draft_vocab_index(logits.shape[-1])
+                if index is not None:
+                    allowed = allowed[:, index]  # [B, draft V]
+                allowed |= ~allowed.any(dim=-1, keepdim=True)
+                logits = torch.where(allowed, logits, float("-inf"))
             return self.draft.to_target_ids(cpu_decode.argmax(logits)), None
-        full = self._to_target_vocab(logits)
+        full = self._to_target_vocab(logits)  # [B, V] target vocabulary
+        if mask is not None:
+            allowed = token_bitmask_allowed(mask, vocab) & (full > float("-inf"))
+            allowed |= ~allowed.any(dim=-1, keepdim=True)
+            full = torch.where(allowed, full, float("-inf"))
         q = probs_for_rows(full, st)
         return _sample_rows(q, st.generators, noise), q
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """Scatter draft-vocabulary logits to target positions ``arange(draft_V) + d2t``."""
-        draft = self.draft
-        d2t = getattr(draft, "d2t", None)
-        vocab = int(draft.config.vocab_size)
-        if d2t is None or logits.shape[-1] == vocab:
+        index = self._draft_vocab_index(logits.shape[-1])
+        if index is None:
             return logits
-        full = logits.new_full((logits.shape[0], vocab), float("-inf"))
-        idx = torch.arange(logits.shape[-1], device=logits.device) + d2t
-        full[:, idx] = logits
+        full = logits.new_full((logits.shape[0], int(self.draft.config.vocab_size)), float("-inf"))
+        full[:, index] = logits
         return full
+
+    def _draft_vocab_index(self, draft_vocab: int) -> Tensor | None:
+        """[draft V] target id of each draft-vocabulary id, or None when they are the same."""
+        d2t = getattr(self.draft, "d2t", None)
+        if d2t is None or draft_vocab == int(self.draft.config.vocab_size):
+            return None
+        return torch.arange(draft_vocab, device=d2t.device) + d2t
 
     def _single_row_meta(
         self, layout: VerifyLayout, pos: Tensor, all_rank_num_rows: list[int] | None = None

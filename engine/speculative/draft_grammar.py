@@ -1,0 +1,173 @@
+"""Masked drafting under structured output: each draft position's distribution is masked by the
+grammar's state after the step's emitted tokens (accepted drafts, then the correction / bonus
+token) and this step's drafts before it, so drafts the grammar forbids are not proposed.
+
+The engine process owns the matchers that decide what is emitted; they cannot travel to the
+ranks, so every rank keeps a matcher of its own per constrained request (``DraftGrammars``),
+compiled from the request's ``StructuredSpec`` (by the engine's ``GrammarCompiler`` in the
+engine's process, by one of their own in rank processes) and synced each step to the request's
+output tokens (which the ``RequestStep`` carries). Within a step a
+``DraftMasker`` advances those matchers along the emitted tokens and each new draft, and rolls
+them back when the loop ends. All ranks of a tensor-parallel group see the same steps, so they
+compute the same masks and feed the same drafts to the sharded draft layers.
+
+Host work: a constrained step reads the emitted tokens, then each draft but the last, back to
+the host (K host reads on top of the step's one sync) and fills the masks on the CPU; it runs the
+draft loop eagerly (under attention DP every rank does, when any rank has a constrained request).
+Steps without a constrained request never build a masker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from tandem.engine.structured_output import (
+    COMPILE_THREADS,
+    GrammarCompiler,
+    StructuredOutputError,
+    StructuredSpec,
+)
+
+if TYPE_CHECKING:  # the step's types import the decoder, which imports this module
+    from tandem.engine.step import RequestStep
+
+# What a draft loop calls before choosing draft position j: (j, the drafts so far, each [B])
+# -> [B, W] int32 bitmask (all ones for unconstrained rows), or None for no mask.
+DraftMask = Callable[[int, list[Tensor]], Tensor | None]
+
+
+class DraftGrammars:
+    """One rank's matchers for masked drafting. A matcher out of step with the engine's would
+    cost acceptance, never exactness: verification masks with the engine's own states."""
+
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None
+        self.executor: Any = None
+        # request id -> (its spec, matcher, output tokens fed)
+        self.matchers: dict[str, tuple[StructuredSpec, Any, int]] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built at the first constrained step (in a rank process: loads the tokenizer, and
+        compiles each grammar again, in the step)."""
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    def use_compiler(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        """Build the compiler with ``make_compiler`` instead (the engine's own, when this rank
+        runs in the engine's process: no second tokenizer, no second compile per grammar)."""
+        if self._compiler is None:
+            self._make_compiler = make_compiler
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.matchers.pop(rid, None)
+
+    def masker(
+        self, sampled: list[RequestStep], num_accepted: Tensor, tokens: Tensor
+    ) -> DraftMasker | None:
+        """The step's ``draft_mask`` hook, or None when no sampled request (``RequestStep``) is
+        constrained. ``num_accepted`` [B], ``tokens`` [B, K + 1]: the step's verification."""
+        constrained = [
+            (i, r)
+            for i, r in enumerate(sampled)
+            if r.token_bitmask is not None and r.params is not None and r.params.structured
+        ]
+        if not constrained:
+            return None
+        rows = {i: (r.request_id, self._synced(r)) for i, r in constrained}
+        if self.executor is None:
+            import llguidance
+
+            self.executor = llguidance.LLExecutor(COMPILE_THREADS)
+        width = -(-int(self.compiler.ll_tokenizer.vocab_size) // 32)
+        return DraftMasker(self, width, len(sampled), rows, num_accepted, tokens)
+
+    def _synced(self, r: RequestStep) -> Any | None:
+        """The request's matcher, fed exactly its output tokens (None: its grammar cannot follow
+        them here; its rows stay unmasked)."""
+        assert r.params is not None and r.params.structured is not None
+        out, spec = r.output_token_ids, r.params.structured
+        entry = self.matchers.get(r.request_id)
+        if entry is None or entry[0] != spec or entry[2] > len(out):
+            try:
+                entry = (spec, self.compiler.matcher(spec), 0)
+            except StructuredOutputError:  # the engine refused it too: never scheduled
+                return None
+        _, matcher, fed = entry
+        if fed < len(out) and matcher.try_consume_tokens(out[fed:]) != len(out) - fed:
+            self.matchers.pop(r.request_id, None)
+            return None
+        self.matchers[r.request_id] = (spec, matcher, len(out))
+        return matcher
+
+
+class DraftMasker:
+    """The ``draft_mask`` hook of one step: ``masker(j, drafts)`` feeds the rows' matchers what
+    precedes draft position j (at j = 0 the emitted tokens, else draft j - 1) and returns the
+    [B, W] int32 bitmask of position j on the tokens' device. A row whose grammar cannot continue
+    (finished by its emitted tokens, or a draft it does not allow: an unmasked fallback) is all
+    ones from then on: its drafts are cut or rejected by the engine anyway. ``close`` rolls every
+    matcher back to the state it had before the step."""
+
+    def __init__(
+        self,
+        grammars: DraftGrammars,
+        width: int,
+        batch_size: int,
+        rows: dict[int, tuple[str, Any | None]],
+        num_accepted: Tensor,
+        tokens: Tensor,
+    ) -> None:
+        """``rows``: sampled row -> (request id, its synced matcher or None)."""
+        self.grammars = grammars
+        self.width = width
+        self.batch_size = batch_size
+        self.num_accepted = num_accepted
+        self.tokens = tokens
+        self.rows = {i: (rid, m) for i, (rid, m) in rows.items() if m is not None}
+        self.live = {i: m for i, (_, m) in self.rows.items()}
+        self.fed = dict.fromkeys(self.live, 0)
+
+    def __call__(self, j: int, drafts: list[Tensor]) -> Tensor:
+        if j == 0:  # host read: the emitted tokens
+            both = torch.cat([self.num_accepted[:, None], self.tokens], dim=1).tolist()
+            feed = {i: both[i][1 : 2 + both[i][0]] for i in self.live}
+        else:  # host read: the previous draft
+            last = drafts[-1].tolist()
+            feed = {i: [last[i]] for i in self.live}
+        for i, tokens in feed.items():
+            m = self.live[i]
+            n = m.try_consume_tokens(tokens) if not m.is_stopped() else 0
+            self.fed[i] += n
+            if n < len(tokens) or m.is_stopped():
+                del self.live[i]
+        bitmask = torch.full((self.batch_size, self.width), -1, dtype=torch.int32)
+        if self.live:
+            import llguidance.torch
+
+            llguidance.torch.fill_next_token_bitmask_par(
+                self.grammars.executor, [(m, i) for i, m in self.live.items()], bitmask
+            )
+            rows = list(self.live)
+            for i, allowed in zip(rows, bitmask[rows].ne(0).any(dim=1).tolist(), strict=True):
+                if not allowed:  # a dead end: the step's emitted token fails the request
+                    bitmask[i] = -1
+                    del self.live[i]
+        return bitmask.to(self.tokens.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Roll the matchers back to the request's output tokens."""
+        for i, n in self.fed.items():
+            rid, m = self.rows[i]
+            if n:
+                m.rollback(n)
+            if m.is_error():  # rebuilt from the output tokens next step
+                self.grammars.forget([rid])
+        self.fed.clear()
