@@ -17,6 +17,7 @@ import pydantic
 import pytest
 import torch
 
+from checkpoints import build_eagle3_draft
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
 from tandem import LLM, SamplingParams
 from tandem.engine.sampler import apply_token_bitmask
@@ -159,6 +160,46 @@ def test_every_output_validates_against_its_schema(client, index):
     )
     assert finish == "stop", text
     jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    """The same model speculating 3 tokens with a random Eagle3 head whose draft vocabulary is
+    half the target's (so some positions leave the masked draft none of its own tokens)."""
+    model = tiny_model(tmp_path_factory)
+    head = build_eagle3_draft(tmp_path_factory.mktemp("eagle3") / "head", model, draft_vocab=160)
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    args = ["--served-model-name", "tiny", "--max-model-len", "512", "--max-num-seqs", "8"]
+    with RemoteServer(model, [*args, "--speculative-config", spec]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def spec_client(spec_server):
+    return openai.OpenAI(
+        base_url=spec_server.url("/v1"), api_key="none", max_retries=0, timeout=120
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_every_output_validates_under_speculation(spec_client, index, stream):
+    """The 20 schemas again under Eagle3 speculation (drafts masked, every verified position
+    masked), streaming and not."""
+    schema = SCHEMAS[index]
+    text, finish = chat(
+        spec_client, seed=index, stream=stream, response_format=json_schema_format(schema)
+    )
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_schemas_under_speculation_were_speculated(spec_server):
+    """The schema runs above verified drafts (the constrained draft counter; this test runs after
+    them in file order)."""
+    samples = scrape_metrics(spec_server)
+    drafted = metric(samples, "tandem:spec_decode_constrained_num_draft_tokens_total", **LABEL)
+    assert drafted > 100, drafted
 
 
 def test_unconstrained_output_is_not_json(client):
