@@ -5,6 +5,7 @@ for the server (so bad input is answered with a 400 before it reaches a rank).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.request import Request
@@ -37,10 +38,16 @@ class InputProcessor:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._make_grammars: Callable[[], GrammarCompiler] | None = None
+
+    def share_grammars(self, make: Callable[[], GrammarCompiler]) -> None:
+        """Check grammars with the compiler ``make`` returns (the engine's own, when this
+        processor runs in the engine's process: each grammar is then compiled once)."""
+        self._make_grammars = make
 
     def __getstate__(self) -> dict[str, Any]:
         # Travels to the API process without the grammar compiler (built there on first use).
-        return {**self.__dict__, "_grammars": None}
+        return {**self.__dict__, "_grammars": None, "_make_grammars": None}
 
     def check_structured(self, params: SamplingParams) -> None:
         """Raise ``StructuredOutputError`` if the request's grammar cannot be served (cached by
@@ -49,7 +56,12 @@ class InputProcessor:
         if spec is None:
             return
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            if self._make_grammars is not None:
+                self._grammars = self._make_grammars()
+            else:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
         self._grammars.validate(spec)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

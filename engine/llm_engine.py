@@ -118,6 +118,8 @@ class LLMEngine:
         # ready. Requests that failed there (or whose grammar reached a dead end) are reported by
         # ``take_failed`` and never finish normally.
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        # Offline requests are checked in this process: with the same compiler, once per grammar.
+        self.input_processor.share_grammars(lambda: self.structured.compiler)
         grammars = self.executor.worker.runner.grammars
         if grammars is not None:
             # The rank in this process masks drafts with the engine's compiler (a request's

@@ -386,6 +386,25 @@ def test_offline_llm_mixes_constrained_and_free_requests(llm):
     jsonschema.validate(json.loads(out.outputs[0].text), bounded)
 
 
+def test_offline_requests_compile_each_grammar_once(llm, monkeypatch):
+    """The offline engine checks a request's grammar with the compiler that serves it: a new
+    regex is compiled once (checked, then served from the cache), not once per compiler."""
+    import tandem.engine.structured_output as so
+
+    compiled = []
+    real = so.compile_matcher
+
+    def counting(ll_tokenizer, spec):
+        compiled.append(spec.text)
+        return real(ll_tokenizer, spec)
+
+    monkeypatch.setattr(so, "compile_matcher", counting)
+    spec = StructuredSpec("regex", "(yes|no), [a-c]{3}")
+    outs = llm.generate(["a", "b"], SamplingParams(temperature=0.0, max_tokens=20, structured=spec))
+    assert all(re.fullmatch(spec.text, o.outputs[0].text) for o in outs)
+    assert compiled == [spec.text]
+
+
 def test_a_grammar_with_no_way_on_fails_the_request(llm, monkeypatch):
     """A grammar that allows no token at some step ends its request with an error (no hang, no
     unmasked token), and the engine goes on serving."""
