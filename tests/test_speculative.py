@@ -741,3 +741,21 @@ def test_start_up_kv_check_counts_the_draft_look_ahead(models) -> None:
         params = SamplingParams(temperature=0, max_tokens=61, ignore_eos=True)
         (out,) = llm.generate([[5, 6, 7]], params)
         assert len(out.outputs[0].token_ids) == 61
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_strict_acceptance_serves_seeded_requests(models, method: str) -> None:
+    """``use_rejection_sampling: false`` (a draft is kept iff it equals the target's own sample)
+    with seeded requests, several at once: the same seed gives the same tokens again, and
+    different seeds differ."""
+    spec = {**_spec(models, method, 3), "use_rejection_sampling": False}
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (1, 1, 2)
+    ]
+    with LLM(str(models["target"]), speculative_config=spec) as llm:
+        first = _tokens(llm.generate(PROMPTS[:3], params))
+        again = _tokens(llm.generate(PROMPTS[:3], params))
+        seeds = _tokens(llm.generate([PROMPTS[0]] * 2, params[1:]))
+    assert first == again
+    assert all(len(t) == 16 for t in first)
+    assert seeds[0] == first[0] and seeds[0] != seeds[1]

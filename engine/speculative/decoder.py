@@ -109,7 +109,7 @@ class SpecDecoder:
         flat = _repeat_rows(st, k1)
         p = probs_for_rows(logits.reshape(b * k1, v), flat).view(b, k1, v)
         if not meta.use_rejection_sampling:
-            sampled = _sample_rows(p, flat.generators).view(b, k1)
+            sampled = _sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
             return accept_matching(sampled, layout.drafts, layout.num_drafts)
         q = self._stored_q(request_ids, layout.drafts, v)
         gens = st.generators
