@@ -19,7 +19,7 @@ import pytest
 from server_utils import RemoteServer, child_pids, metric, scrape_metrics, tiny_model, wait_until
 
 SHUTDOWN_TIMEOUT_S = 6.0
-MEDIUM = 300  # max_tokens of requests that finish well within the shutdown timeout
+MEDIUM = 150  # max_tokens of requests that finish well within the shutdown timeout (also on a loaded machine)
 LONG = 16_000  # max_tokens of requests that cannot (16k steps: > 6 s at 0.4 ms a step)
 ARGS = [
     "--max-model-len", str(LONG + 100), "--max-num-seqs", "8", "--served-model-name", "tiny",
