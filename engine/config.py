@@ -244,6 +244,12 @@ class SpeculativeConfig:
     # passes read those (half a bfloat16 head's bytes); verification keeps the output the
     # target's. CPU only, with the fast path.
     draft_quantization: str = "none"
+    # Draft trees (issue #35): every node proposes its ``topk`` best children per depth
+    # (num_speculative_tokens depths) and the ``num_draft_tokens`` best nodes by cumulative draft
+    # log-probability are verified in one target forward. topk = 1: the chain (num_draft_tokens
+    # then equals num_speculative_tokens, its default).
+    topk: int = 1
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -307,6 +313,7 @@ class SpeculativeConfig:
         if self.method != "mtp" and self.draft_vocab != "auto":
             # An Eagle3 head's vocabulary is its own LM head's.
             raise ValueError("speculative_config.draft_vocab applies to method 'mtp' only")
+        self._check_tree()
         layers = self.eagle3_layers_to_capture
         if layers is not None:
             _require(
@@ -317,6 +324,56 @@ class SpeculativeConfig:
                 layers,
                 "non-negative layer indices, for method 'eagle3'",
             )
+
+    def _check_tree(self) -> None:
+        from tandem.engine.speculative.tree import check_tree_shape
+
+        k = self.num_speculative_tokens
+        if self.num_draft_tokens is None and isinstance(self.topk, int) and self.topk == 1:
+            object.__setattr__(self, "num_draft_tokens", k)  # the chain's
+        n = self.num_draft_tokens
+        if n is None:
+            raise ValueError(
+                f"speculative_config.num_draft_tokens is required with topk={self.topk!r} (the "
+                "tree nodes verified per step, e.g. 8)"
+            )
+        try:
+            check_tree_shape(k, self.topk, n)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: {e}") from None
+        if self.topk == 1:
+            return
+        rows = (k - 1) * self.topk
+        if rows > 63:
+            raise ValueError(
+                f"speculative_config: (num_speculative_tokens - 1) * topk = {rows} must be <= 63 "
+                "(the draft attends over its tree's frontier nodes with a 64-bit mask)"
+            )
+        unsupported = {
+            "method 'mtp'": self.method == "mtp",
+            "draft_quantization": self.draft_quantization != "none",
+            "disable_by_batch_size": self.disable_by_batch_size is not None,
+        }
+        for what, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"speculative_config.topk > 1 (draft trees) does not support {what} yet; "
+                    "use topk 1 (a chain)"
+                )
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    @property
+    def kv_lookahead(self) -> int:
+        """KV positions past a step's rows that its draft loop may write: 2K for the chain;
+        a tree's draft writes its frontier nodes, (K - 1) * topk rows, after the new root, which
+        sits up to K + 1 rows past the verified root."""
+        k = self.num_speculative_tokens
+        if not self.is_tree:
+            return 2 * k
+        return max(2 * k, k + 1 + (k - 1) * self.topk)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -436,6 +493,8 @@ class EngineArgs:
                     f"speculative_config.draft_quantization={spec.draft_quantization!r} needs "
                     f"{where}: it serves the CPU decode fast path"
                 )
+        if spec is not None and spec.is_tree:
+            _check_tree_engine(self, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -471,3 +530,24 @@ class EngineArgs:
                 ),
             ),
         )
+
+
+def _check_tree_engine(args: EngineArgs, device: torch.device) -> None:
+    """What draft trees (speculative_config.topk > 1) do not support yet: refused, never
+    silently changed."""
+    from tandem.engine.cuda_graph import graph_mode
+
+    unsupported = {
+        "tensor parallelism (tensor_parallel_size > 1)": args.tensor_parallel_size != 1,
+        "attention data parallelism (enable_attention_dp)": args.enable_attention_dp,
+        "multiple nodes (nnodes > 1)": args.nnodes != 1,
+        "CUDA graphs / static graph buffers (set enforce_eager=True)": graph_mode(
+            device, args.enforce_eager
+        )
+        is not None,
+    }
+    for what, used in unsupported.items():
+        if used:
+            raise ValueError(
+                f"speculative_config.topk > 1 (draft trees) does not support {what} yet"
+            )

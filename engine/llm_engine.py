@@ -71,6 +71,7 @@ class LLMEngine:
         cc = config.cache_config
         sc = config.speculative_config
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
+        lookahead = sc.kv_lookahead if sc is not None else 0
         self.vanilla_mtp = sc is not None and sc.method == "mtp" and sc.mtp_mode == "vanilla"
         self.disable_spec_at = sc.disable_by_batch_size if sc is not None else None
         pc = config.parallel_config
@@ -89,7 +90,7 @@ class LLMEngine:
             for _ in range(self.dp_size)
         ]
         self.schedulers = [
-            Scheduler(config.scheduler_config, bm, lookahead=2 * self.num_spec_tokens)
+            Scheduler(config.scheduler_config, bm, lookahead=lookahead)
             for bm in self.block_managers
         ]
         self.block_manager = self.block_managers[0]
@@ -105,8 +106,9 @@ class LLMEngine:
             self.eos_token_ids,
             cc.block_size,
             num_blocks,
-            lookahead=2 * self.num_spec_tokens,
+            lookahead=lookahead,
             speculative=sc is not None,
+            draft_trees=sc is not None and sc.is_tree,
         )
         self.detok: dict[str, Detokenizer] = {}
         # The requests the current (or last) step scheduled; None until it has scheduled. The

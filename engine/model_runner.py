@@ -32,6 +32,7 @@ from tandem.engine.sampler import (
 from tandem.engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
 from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import (
     ADP_DUMMY_REQUEST_ID,
     DUMMY_PARAMS,
@@ -241,6 +242,8 @@ class ModelRunner:
                 inp.row_last = t(row_last, torch.int64)
             if sampled:
                 inp.layout = self._verify_layout(step, sampled, tables, max_s, t)
+                if isinstance(self.spec, TreeDecoder):
+                    self.spec.prepare_tree(inp, step.requests)
         return inp
 
     def _verify_layout(
@@ -409,8 +412,9 @@ class ModelRunner:
         if replay is not None:
             hidden, captured = replay.forward()
         else:
+            positions, meta = inp.target or (inp.positions, inp.meta)  # draft trees: theirs
             hidden, captured = self.model(
-                inp.input_ids, inp.positions, inp.meta, capture_layers=self.capture_layers
+                inp.input_ids, positions, meta, capture_layers=self.capture_layers
             )
         if self.spec is not None:
             return self._execute_spec(inp, hidden, captured, scanned, replay, step.propose_drafts)

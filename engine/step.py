@@ -141,6 +141,9 @@ class PreparedInputs:
     future: torch.Tensor | None = None  # [S, K + 1] tokens after each request's last row
     row_req: torch.Tensor | None = None  # [T] request index of each row
     row_last: torch.Tensor | None = None  # [T] last row of the row's request
+    # Draft trees: the target forward's (positions [T], metadata with the tree mask) where they
+    # differ from the rows' chain positions and causal metadata (which the draft's step 0 reads).
+    target: tuple[torch.Tensor, AttentionMetadata] | None = None
 
 
 class StepReplay(Protocol):

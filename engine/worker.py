@@ -14,6 +14,7 @@ from tandem.engine.graph_runner import GraphRunner
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
+from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.kernels.cpu_decode import MAX_ROWS
@@ -133,7 +134,16 @@ class Worker:
         sc = config.speculative_config
         if sc is not None:
             draft = load_draft(sc, self.model, mc.model, mc.dtype, config.device, self.mapping)
-            spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
+            if sc.is_tree:
+                spec = TreeDecoder(
+                    draft,
+                    sc,
+                    self.mapping,
+                    config.cache_config.block_size,
+                    self.model.attention_layers(),
+                )
+            else:
+                spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
         int8 = sc is not None and sc.draft_quantization == "int8"

@@ -34,6 +34,9 @@ class AttentionMetadata:
     # rank's picked-row count (one per sampled request) for row-picked draft steps.
     all_rank_num_tokens: list[int] | None = None
     all_rank_num_picked: list[int] | None = None
+    # Draft trees: one int64 attention word per row (kernels/paged_attention.py; 0 = causal
+    # row). None: every row is causal.
+    tree_mask: torch.Tensor | None = None
 
     def attention_plan(self) -> Any:
         """The step's plan (None: the kernels derive their indices themselves)."""
@@ -95,5 +98,6 @@ class PagedAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             plan=meta.attention_plan(),
+            tree_mask=meta.tree_mask,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

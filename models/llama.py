@@ -217,6 +217,7 @@ def fast_path_accepts(
         isinstance(meta, AttentionMetadata)
         and 0 < rows <= cpu_decode.MAX_ROWS
         and meta.all_rank_num_tokens is None
+        and meta.tree_mask is None  # the extension has no tree attention
         and k_cache.dtype == dtype
         and k_cache.dim() == 4
         and bool((meta.slot_mapping >= 0).all())

@@ -99,6 +99,7 @@ class LatentPagedAttention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             plan=meta.attention_plan(),
+            tree_mask=meta.tree_mask,
         )
         return out[..., : self.kv_lora_rank]  # the value is the latent part of the row
 

@@ -11,6 +11,10 @@ depth (-1 past num_accepted), ``tokens`` [B, D + 1]: the accepted nodes' tokens,
 correction / bonus token at index num_accepted (0 past it). The first num_accepted + 1 tokens
 are emitted, exactly as the chain verifier's (kernels/spec_decode.py) ``tokens``.
 
+A node whose token is -1 is padding (a request that verifies fewer nodes than the batch's
+tree): it is never accepted, and neither are its descendants (padding too, as the kept nodes are
+a prefix of the node order).
+
 Every function is a pure tensor function with fixed shapes (loops run over the static node
 count), randomness passed in (``uniform``, ``residual_noise``), no host reads.
 """
@@ -150,8 +154,11 @@ def _accept_point_masses(
     b, n = tree.tokens.shape
     v = p.shape[-1]
     device = p.device
-    # p(x) of every node's token x after its parent: [B, N]
-    p_x = p.flatten(1).gather(1, (tree.parents + 1) * v + tree.tokens)
+    # p(x) of every node's token x after its parent: [B, N]; padding nodes (token -1) none.
+    valid = tree.tokens >= 0
+    tokens = tree.tokens.clamp_min(0)
+    p_x = p.flatten(1).gather(1, (tree.parents + 1) * v + tokens)
+    p_x = torch.where(valid, p_x, 0.0)
     # A sibling repeating an earlier sibling's token has no mass left when its turn comes.
     earlier = _earlier_siblings(tree)  # [B, N, N]
     repeat = (earlier & (tree.tokens[:, :, None] == tree.tokens[:, None, :])).any(dim=2)
@@ -166,8 +173,8 @@ def _accept_point_masses(
     rows = torch.arange(b, device=device)
     r = p[rows, cur + 1]  # [B, V] p after the last accepted node (the root: row 0)
     # Its children were all tried and rejected: the final draw excludes them.
-    children = (tree.parents == cur[:, None]).to(r.dtype)
-    excluded = torch.zeros_like(r).scatter_add_(1, tree.tokens, children) > 0
+    children = ((tree.parents == cur[:, None]) & valid).to(r.dtype)
+    excluded = torch.zeros_like(r).scatter_add_(1, tokens, children) > 0
     left = r.masked_fill(excluded, 0.0)
     # Rounding can leave the rejected children all the mass; keep p then.
     r = torch.where(left.sum(dim=1, keepdim=True) > 0, left, r)
@@ -195,8 +202,9 @@ def _accept_sampled_siblings(
     r, s = p[:, 0], q[:, 0]  # [B, V] what is left of the target / the proposal at the node
     on_path = torch.zeros(b, n, dtype=torch.bool, device=p.device)
     for i in range(n):  # node order is topological: a node's children come after it
-        x = tree.tokens[:, i]
-        candidate = tree.parents[:, i] == cur  # a child of the current node
+        x = tree.tokens[:, i].clamp_min(0)
+        # A child of the current node (padding nodes, token -1, are never tried).
+        candidate = (tree.parents[:, i] == cur) & (tree.tokens[:, i] >= 0)
         accept = candidate & (uniform[:, i] < _acceptance_probability(r[rows, x], s[rows, x]))
         reject = candidate & ~accept
         on_path[:, i] = accept

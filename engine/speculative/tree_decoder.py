@@ -1,0 +1,395 @@
+"""The speculative half of a step with draft trees (``speculative_config.topk > 1``, issue #35).
+
+Per request and step: the scheduler's drafts are the previous step's tree nodes (``N`` =
+num_draft_tokens of them, in tree order, or a prefix of them when it had less room); the
+target verifies them as ``N + 1`` rows (root first) in one forward with RoPE positions
+``root + depth`` and a tree attention mask; acceptance walks the tree (``tree_accept``); the
+accepted path's target KV is moved into chain order (``compaction_slots``), so the sequence
+continues as if a chain had been verified. Then the draft:
+
+- step 0 runs on every row of the step as the chain's does, with each tree request's accepted
+  path permuted into chain order (rows, hidden states and input tokens), so it writes the draft
+  KV of the accepted tokens at their final positions;
+- depth 1 takes the top-k tokens after the gathered row; each later depth runs the draft over
+  the frontier nodes of every depth so far (``topk`` per depth, at KV scratch positions after the
+  new root, RoPE position root + depth - 1) with a tree attention mask, and takes each frontier
+  node's top-k children; ``build_tree`` keeps the best ``N`` nodes.
+
+Children are the deterministic top-k, so acceptance uses the point-mass rule (``q=None``),
+lossless at any temperature. The tree's shape (parents, depths, attention words) stays here,
+per request, on the device; only its tokens travel to the scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.engine.sampler import SamplingTensors, probs_for_rows
+from tandem.engine.speculative.decoder import (
+    SpecDecoder,
+    VerifyLayout,
+    _exponential,
+    _repeat_rows,
+    _sample_rows,
+    _uniform,
+    widen_columns,
+)
+from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
+from tandem.engine.speculative.tree import (
+    DraftTree,
+    ancestor_mask,
+    build_tree,
+    compaction_slots,
+    copy_kv_slots,
+    expand_level,
+    root_frontier,
+    select_frontier,
+    tree_attention_words,
+)
+from tandem.engine.speculative.tree_accept import (
+    TreeAcceptance,
+    accept_tree_greedy,
+    accept_tree_sampling,
+)
+from tandem.kernels import cpu_decode
+from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+from tandem.kernels.spec_decode import build_draft_step0_inputs
+from tandem.models.attention import AttentionMetadata
+from tandem.models.parallel import ParallelMapping
+
+__all__ = ["TreeDecoder", "TreeLayout", "layer_caches"]
+
+
+@dataclass
+class TreeLayout(VerifyLayout):
+    """The verify layout plus the batch's tree (N = num_draft_tokens nodes; a request that
+    verifies fewer, or none, has padding nodes of token -1)."""
+
+    tree: DraftTree
+
+
+def layer_caches(attn: nn.Module) -> tuple[Tensor, ...]:
+    """The cache tensors bound to an attention layer (K and V, or one latent tensor)."""
+    latent = getattr(attn, "latent_cache", None)
+    if latent is not None:
+        return (latent,)
+    return (attn.k_cache, attn.v_cache)
+
+
+def _scatter_rows(base: Tensor, rows: Tensor, values: Tensor, keep: Tensor) -> Tensor:
+    """``base`` [T] with base[rows[keep]] = values[keep], without a host read (the entries not
+    kept go to a spare slot past the end)."""
+    t = base.shape[0]
+    ext = torch.cat([base, base.new_zeros(1)])
+    idx = torch.where(keep, rows, t).reshape(-1)
+    ext.scatter_(0, idx, values.reshape(-1).to(ext.dtype))
+    return ext[:t]
+
+
+class TreeDecoder(SpecDecoder):
+    """``SpecDecoder`` for draft trees (Eagle3). ``k`` is num_draft_tokens: the drafts a
+    request carries into the next step (the verify rows are k + 1)."""
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        config: Any,
+        mapping: ParallelMapping,
+        block_size: int,
+        target_layers: list[nn.Module],
+        resolver: DraftRowPick = ROW_PICK_RESOLVER,
+    ) -> None:
+        super().__init__(draft, config, mapping, block_size, resolver)
+        if config.method != "eagle3" or not config.is_tree:
+            raise ValueError("TreeDecoder serves Eagle3 with speculative_config.topk > 1")
+        self.depth = config.num_speculative_tokens
+        self.topk = config.topk
+        self.k = config.num_draft_tokens
+        self.fast_chain = False
+        self.target_layers = target_layers
+        # request id → its next tree's (parents [N], depths [N], words [N + 1]) on the device.
+        self.shapes: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        self._path: Tensor | None = None  # [B, D] this step's accepted path (verify → propose)
+
+    def forget(self, request_ids: list[str]) -> None:
+        super().forget(request_ids)
+        for rid in request_ids:
+            self.shapes.pop(rid, None)
+
+    # ------------------------------------------------------------------ the step's rows
+
+    def prepare_tree(self, inp: Any, requests: list[Any]) -> None:
+        """Turn ``inp.layout`` into a ``TreeLayout`` and give the target forward its tree
+        positions and attention words (``inp.target``). Host work is per request; the rows are
+        filled on the device."""
+        layout = inp.layout
+        sampled = [r for r in requests if r.sample]
+        n, d = self.k, self.depth
+        dev = layout.rows.device
+        chain_parents = torch.arange(-1, n - 1, device=dev)
+        chain_depths = torch.arange(1, n + 1, device=dev)
+        parents, depths, words = [], [], []
+        for r in sampled:
+            shape = self.shapes.get(r.request_id)
+            if shape is None:  # drafts of unknown shape (none, normally): a chain is a tree
+                shape = (chain_parents, chain_depths, _chain_words(n, dev))
+            parents.append(shape[0])
+            depths.append(shape[1])
+            words.append(shape[2])
+        parents_t = torch.stack(parents)  # [B, N]
+        depths_t = torch.stack(depths)
+        words_t = torch.stack(words)  # [B, N + 1]
+        m = layout.num_drafts  # [B] nodes verified (a prefix of the tree)
+        j = torch.arange(n, device=dev)
+        tokens = torch.where(j < m[:, None], layout.drafts, -1)
+        tree = DraftTree(
+            tokens=tokens,
+            parents=parents_t,
+            depths=depths_t,
+            scores=torch.zeros(tokens.shape, device=dev),
+            ancestors=ancestor_mask(parents_t, d),
+            max_depth=d,
+        )
+        inp.layout = TreeLayout(
+            **{f.name: getattr(layout, f.name) for f in _layout_fields()}, tree=tree
+        )
+        if not any(r.num_drafts for r in sampled):
+            return  # nothing to verify as a tree: the target runs causally
+        first = layout.first_row[:, None]
+        node_rows = first + 1 + j  # [B, N] the row of node i
+        positions = _scatter_rows(
+            inp.positions, node_rows, layout.positions[:, None] + depths_t, j < m[:, None]
+        )
+        j1 = torch.arange(n + 1, device=dev)
+        keep = (j1 <= m[:, None]) & (m[:, None] > 0)
+        tree_mask = _scatter_rows(
+            torch.zeros_like(inp.positions), first + j1, words_t, keep
+        )  # [T]; 0: causal rows (prefill chunks, requests without drafts)
+        meta = inp.meta
+        plan = meta.plan
+        if isinstance(plan, partial):
+            plan = partial(plan.func, *plan.args, **{**plan.keywords, "tree_mask": tree_mask})
+        inp.target = (positions, dataclasses.replace(meta, tree_mask=tree_mask, plan=plan))
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(
+        self,
+        logits: Tensor,
+        layout: VerifyLayout,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+    ) -> tuple[Tensor, Tensor]:
+        """logits: [B, C, V] for the first C <= N + 1 verify rows → (num_accepted [B], tokens
+        [B, N + 1]: the accepted path's tokens, then the correction / bonus token).
+
+        Side effects, in the step's order: the accepted path's target KV moves into chain
+        positions, and when logprobs are asked for, ``logits``' columns are reordered in place
+        to the accepted path (column j: the distribution that emitted token j)."""
+        if not isinstance(layout, TreeLayout):
+            raise TypeError("TreeDecoder.verify needs the TreeLayout of prepare_tree")
+        tree = layout.tree
+        b, k1 = layout.rows.shape
+        n = tree.num_nodes
+        wide = widen_columns(logits, k1)
+        if meta.all_greedy:
+            acc = accept_tree_greedy(tree, cpu_decode.argmax(wide))
+        else:
+            v = wide.shape[-1]
+            flat = _repeat_rows(st, k1)
+            p = probs_for_rows(wide.reshape(b * k1, v), flat).view(b, k1, v)
+            if not meta.use_rejection_sampling:
+                # Strict acceptance: a child is accepted iff it is the token the target drew.
+                acc = accept_tree_greedy(tree, _sample_rows(p, flat.generators).view(b, k1))
+            else:
+                gens = st.generators
+                uniform = _uniform(b, n, gens, logits.device)
+                noise = _exponential((b, v), gens, logits.device)
+                acc = accept_tree_sampling(tree, p, uniform, noise)
+        self._compact(layout, acc)
+        self._path = acc.path
+        if st.max_num_logprobs > 0:
+            _path_columns_(logits, acc)
+        tokens = F.pad(acc.tokens, (0, k1 - acc.tokens.shape[1]))
+        return acc.num_accepted, tokens
+
+    def _compact(self, layout: VerifyLayout, acc: TreeAcceptance) -> None:
+        """Move the accepted nodes' target KV to the positions a chain would have used."""
+        src, dst = compaction_slots(
+            layout.block_tables, layout.positions, acc.path, acc.num_accepted, self.block_size
+        )
+        for attn in self.target_layers:
+            for cache in layer_caches(attn):
+                copy_kv_slots(cache, src, dst)
+
+    # ------------------------------------------------------------------ drafting
+
+    def _chain_order(self, layout: VerifyLayout, num_accepted: Tensor, rows: int) -> Tensor:
+        """[rows] source row of every row once the accepted paths are in chain order (row
+        first + j takes the row of the depth-j accepted node; other rows stay)."""
+        path = self._path
+        if path is None:
+            raise RuntimeError("TreeDecoder drafts after verify (no accepted path yet)")
+        d = path.shape[1]
+        j = torch.arange(1, d + 1, device=path.device)
+        first = layout.first_row[:, None]
+        identity = torch.arange(rows, device=path.device)
+        return _scatter_rows(
+            identity, first + j, first + 1 + path.clamp_min(0), j <= num_accepted[:, None]
+        )
+
+    def write_step_kv(
+        self,
+        inp: Any,
+        draft_hidden: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+    ) -> None:
+        """A step that proposes no drafts: draft step 0 over the rows in chain order."""
+        order = self._chain_order(layout, num_accepted, inp.input_ids.shape[0])
+        last_rows = inp.meta.query_start_loc[1:].long() - 1
+        step_tokens, _ = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, inp.input_ids[order], last_rows, inp.next_tokens
+        )
+        self.draft(0, inp.positions, step_tokens, draft_hidden[order], inp.meta)
+
+    def propose(
+        self,
+        inp: Any,
+        input_ids: Tensor,
+        positions: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+    ) -> Tensor:
+        """Draft every sampled request's next tree; returns its tokens [B, N] (target
+        vocabulary, tree order) and keeps its shape for the next step's verification."""
+        order = self._chain_order(layout, num_accepted, input_ids.shape[0])
+        last_rows = target_meta.query_start_loc[1:].long() - 1
+        step_tokens, gather_ids = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, input_ids[order], last_rows, next_tokens
+        )
+        hidden = self.draft(0, positions, step_tokens, draft_hidden[order], target_meta)
+        root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
+        tree = self.draft_tree(hidden[gather_ids], root_pos, layout)
+        words = tree_attention_words(tree.ancestors)
+        self.forget(request_ids)
+        for i, rid in enumerate(request_ids):
+            self.shapes[rid] = (tree.parents[i], tree.depths[i], words[i])
+        return tree.tokens
+
+    def draft_tree(self, hidden: Tensor, root_pos: Tensor, layout: VerifyLayout) -> DraftTree:
+        """The tree below each new root: hidden [B, H] is draft step 0's output at the row of
+        the last accepted token (whose input token is the root's)."""
+        draft, k = self.draft, self.topk
+        b, h = hidden.shape
+        level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1))
+        levels = [level]
+        rows: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # per depth: tok, hid, word, pos
+        bits = torch.arange(k, device=hidden.device)
+        out = hidden[:, None]  # [B, F, H] the previous frontier's outputs (F = 1: the root)
+        words = torch.zeros(b, 1, dtype=torch.int64, device=hidden.device)
+        for depth in range(1, self.depth):
+            ids, scores = select_frontier(level, k)  # [B, k] into the level's candidates
+            parent = ids // k if depth > 1 else torch.zeros_like(ids)
+            tok = level.tokens.gather(1, ids)
+            hid = out.gather(1, parent[..., None].expand(b, k, h))
+            words = words.gather(1, parent) | (1 << ((depth - 1) * k + bits))
+            pos = (root_pos + depth - 1)[:, None].expand(b, k)
+            rows.append((tok, hid, words, pos))
+            r = depth * k  # query rows per request: the frontier nodes of every depth so far
+            tok_all, hid_all, word_all, pos_all = (
+                torch.cat(x, dim=1) for x in zip(*rows, strict=True)
+            )
+            row_meta = self._frontier_meta(layout, root_pos, r, word_all.reshape(-1))
+            new = draft(
+                0, pos_all.reshape(-1), tok_all.reshape(-1), hid_all.reshape(b * r, h), row_meta
+            )
+            out = new.view(b, r, h)[:, -k:]  # this depth's frontier nodes
+            level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k))
+            levels.append(level)
+        return build_tree(levels, self.k)
+
+    def _children(self, hidden: Tensor, b: int, f: int) -> tuple[Tensor, Tensor]:
+        """Top-k children of ``b * f`` nodes: (tokens, log-probabilities) [B, F, topk], best
+        first, tokens in the target vocabulary."""
+        logits = self.draft.compute_logits(0, hidden).float()
+        logprobs, ids = logits.log_softmax(dim=-1).topk(self.topk, dim=-1)
+        tokens = self.draft.to_target_ids(ids)
+        return tokens.view(b, f, self.topk), logprobs.view(b, f, self.topk)
+
+    def _frontier_meta(
+        self, layout: VerifyLayout, root_pos: Tensor, rows: int, tree_mask: Tensor
+    ) -> AttentionMetadata:
+        """``rows`` frontier rows per request at KV scratch positions root_pos + r (past them
+        the next step's verify rows overwrite them); the prefix is everything before the new
+        root, and each row sees its ancestors through its tree word."""
+        b = root_pos.shape[0]
+        bs = self.block_size
+        tables = layout.block_tables
+        kv_pos = root_pos[:, None] + torch.arange(rows, device=root_pos.device)  # [B, R]
+        block = tables.long().gather(1, (kv_pos // bs).clamp(max=tables.shape[1] - 1))
+        slots = (block * bs + kv_pos % bs).reshape(-1)
+        seq_lens = (root_pos + rows).to(torch.int32)
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=root_pos.device) * rows
+        max_s = layout.max_seq_len + self.depth * (self.topk + 1)  # host bound
+        plan = None
+        if not gpu_paths(root_pos):
+            plan = partial(
+                build_attention_plan,
+                tables,
+                seq_lens,
+                qsl,
+                bs,
+                rows,
+                max_s,
+                num_tokens=b * rows,
+                tree_mask=tree_mask,
+            )
+        return AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            max_query_len=rows,
+            max_seq_len=max_s,
+            plan=plan,
+            tree_mask=tree_mask,
+        )
+
+
+def _layout_fields() -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(VerifyLayout)
+
+
+def _chain_words(n: int, device: torch.device) -> Tensor:
+    """The attention words [N + 1] of a chain of n nodes (row i sees rows 0..i)."""
+    parents = torch.arange(-1, n - 1, device=device)[None]
+    return tree_attention_words(ancestor_mask(parents, n))[0]
+
+
+def _path_columns_(logits: Tensor, acc: TreeAcceptance) -> None:
+    """Reorder logits [B, C, V] in place so column j is the row that emitted token j: the root
+    for j = 0, else the depth-j accepted node's (j <= num_accepted; other columns stay)."""
+    b, c, v = logits.shape
+    path = acc.path
+    col = torch.arange(c, device=logits.device).expand(b, c)
+    depth_idx = (col - 1).clamp(0, path.shape[1] - 1)
+    node = path.gather(1, depth_idx)
+    src = torch.where((col >= 1) & (col <= acc.num_accepted[:, None]), node + 1, col)
+    logits.copy_(logits.gather(1, src[..., None].expand(b, c, v)))
