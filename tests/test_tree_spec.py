@@ -10,6 +10,7 @@ import pytest
 from checkpoints import build_eagle3_draft, build_llama, make_echo_target, perfect_eagle3_draft
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.tree import max_tree_nodes
+from tandem.engine.structured_output import StructuredSpec
 
 # The 50-token prompt runs in chunks under a 16-token budget (chunked prefill next to decodes).
 PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
@@ -69,7 +70,9 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
     n = max_tree_nodes(k, topk)
     prompts = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
     steps = 4
-    params = SamplingParams(temperature=0, max_tokens=1 + steps * (k + 1), ignore_eos=True)
+    # Room for `steps` whole trees (the last steps verify only the nodes max_tokens leaves).
+    max_tokens = 1 + steps * (k + 1) + n
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     spec = {
         "method": "eagle3",
         "model": str(head),
@@ -78,13 +81,20 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
         "num_draft_tokens": n,
     }
     with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=4) as llm:
-        outs = llm.generate(prompts, params)
-        stats = llm.engine.get_stats()
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == [prompt[-1]] * params.max_tokens  # the echo
-    assert stats.spec_num_drafts == steps * len(prompts), stats
-    assert stats.spec_num_accepted_tokens == k * stats.spec_num_drafts
-    assert stats.spec_accepted_per_pos == [stats.spec_num_drafts] * k
+        engine = llm.engine
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        full = 0
+        while engine.has_unfinished_requests():
+            before = {r.request_id: (len(r.output_token_ids), len(r.spec_token_ids)) for r in reqs}
+            for out in engine.step():
+                done, drafts = before[out.request_id]
+                new = len(out.outputs[0].token_ids) - done
+                if drafts == n:  # a whole tree (near max_tokens only its first nodes fit)
+                    assert new == k + 1, (out.request_id, new)
+                    full += 1
+    for prompt, r in zip(prompts, reqs, strict=True):
+        assert r.output_token_ids == [prompt[-1]] * params.max_tokens  # the echo
+    assert full >= steps * len(prompts)
 
 
 def _top1_path(tokens: list[int], parents: list[int]) -> list[int]:
@@ -102,7 +112,7 @@ def _first_drafts(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[in
     """Each request's drafts after its prefill step, and the tree's parents (trees only)."""
     engine = llm.engine
     spec = engine.executor.worker.runner.spec
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)  # no room limits
     reqs = {f"r{i}": engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)}
     first: dict[str, tuple[list[int], list[int]]] = {}
     while engine.has_unfinished_requests():
@@ -147,3 +157,66 @@ def test_tree_contains_the_chain_drafts(tmp_path: Path) -> None:
     assert k in depths  # some tree keeps the whole chain
     # Same output tokens with no more verification steps than the chain.
     assert stats.spec_num_accepted_tokens >= chain_accepted
+
+
+@pytest.fixture(scope="module")
+def near_echo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("near_echo")
+    target = build_llama(root / "echo", layers=4, seed=5)
+    make_echo_target(target, residual_scale=0.3)
+    return target, perfect_eagle3_draft(root / "head", target, residual_scale=0.3)
+
+
+@pytest.mark.parametrize("rejection", [True, False], ids=["rejection", "strict"])
+def test_seeded_sampling_with_trees(near_echo: tuple[Path, Path], rejection: bool) -> None:
+    """Seeded sampling through trees (point-mass rejection sampling, or strict acceptance):
+    every request completes, the same seeds give the same tokens, and tree nodes are accepted."""
+    target, head = near_echo
+    spec = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "topk": 2,
+        "num_draft_tokens": 6,
+        "use_rejection_sampling": rejection,
+    }
+    prompts = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
+    params = [
+        SamplingParams(temperature=t, top_p=0.9, max_tokens=20, ignore_eos=True, seed=s)
+        for s, t in ((1, 0.7), (2, 1.3), (3, 0.0), (4, 1.0))
+    ]
+    with LLM(str(target), dtype="float32", speculative_config=spec) as llm:
+        first = _tokens(llm.generate(prompts, params))
+        again = _tokens(llm.generate(prompts, params))
+        stats = llm.engine.get_stats()
+    assert first == again
+    assert all(len(t) == 20 for t in first)
+    # The near-echo target samples from flat distributions: some nodes are accepted, not most.
+    assert stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_draft_tokens <= 6 * stats.spec_num_drafts
+
+
+def test_tree_configuration_errors(models) -> None:
+    t = str(models["target"])
+    base = {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": 3}
+    for extra, why in (
+        ({"topk": 2}, "num_draft_tokens is required"),
+        ({"topk": 0, "num_draft_tokens": 4}, "topk must be an integer >= 1"),
+        ({"topk": 2, "num_draft_tokens": 2}, r"must be >= num_speculative_tokens"),
+        ({"topk": 2, "num_draft_tokens": 11}, r"must be <= 10"),
+        ({"topk": 1, "num_draft_tokens": 4}, r"must be <= 3"),
+        ({"topk": 2, "num_draft_tokens": 4, "draft_quantization": "int8"}, "draft_quantization"),
+        ({"topk": 2, "num_draft_tokens": 4, "disable_by_batch_size": 4}, "disable_by_batch_size"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            LLM(t, speculative_config={**base, **extra})
+    with pytest.raises(ValueError, match="does not support method 'mtp'"):
+        LLM(t, speculative_config={"method": "mtp", "topk": 2, "num_draft_tokens": 4})
+    tree = {**base, "topk": 2, "num_draft_tokens": 4}
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(t, speculative_config=tree, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="attention data parallelism"):
+        LLM(t, speculative_config=tree, enable_attention_dp=True)
+    with LLM(t, speculative_config=tree) as llm:
+        with pytest.raises(ValueError, match="not supported with draft trees"):
+            llm.generate([[1, 2]], SamplingParams(structured=StructuredSpec("regex", "a+")))

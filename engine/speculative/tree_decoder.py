@@ -208,7 +208,8 @@ class TreeDecoder(SpecDecoder):
             p = probs_for_rows(wide.reshape(b * k1, v), flat).view(b, k1, v)
             if not meta.use_rejection_sampling:
                 # Strict acceptance: a child is accepted iff it is the token the target drew.
-                acc = accept_tree_greedy(tree, _sample_rows(p, flat.generators).view(b, k1))
+                sampled = _sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
+                acc = accept_tree_greedy(tree, sampled)
             else:
                 gens = st.generators
                 uniform = _uniform(b, n, gens, logits.device)
