@@ -125,6 +125,27 @@ def _first_drafts(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[in
     return first
 
 
+def test_random_head_tree_contains_the_chain_drafts(models) -> None:
+    """Draft side with a random head (its attention matters fully): the top-1 path through
+    each request's first tree equals the chain decoder's drafts from the same state, as deep
+    as the tree keeps it (a wrong draft tree mask, position or parent hidden state changes
+    depth 2 onwards)."""
+    k, topk = 3, 2
+    chain = {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": k}
+    tree = {**chain, "topk": topk, "num_draft_tokens": max_tree_nodes(k, topk)}
+    with LLM(str(models["target"]), speculative_config=chain) as llm:
+        chain_first = _first_drafts(llm, PROMPTS)
+    with LLM(str(models["target"]), speculative_config=tree) as llm:
+        tree_first = _first_drafts(llm, PROMPTS)
+    depths = []
+    for rid, (drafts, _) in chain_first.items():
+        tokens, parents = tree_first[rid]
+        path = _top1_path(tokens, parents)
+        assert len(path) >= 2 and path == drafts[: len(path)], (rid, path, drafts)
+        depths.append(len(path))
+    assert k in depths  # some first tree keeps the whole chain (all four do today)
+
+
 def test_tree_contains_the_chain_drafts(tmp_path: Path) -> None:
     """Draft side: the head's top-1 path through the tree is exactly the chain decoder's drafts
     from the same state (a near-perfect head whose attention and MLP matter, so a wrong tree
