@@ -3,11 +3,19 @@ draft's trees against a reference, seeded sampling, and what is refused."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
-from checkpoints import build_eagle3_draft, build_llama, make_echo_target, perfect_eagle3_draft
+from checkpoints import (
+    _read_state,
+    _write_state,
+    build_eagle3_draft,
+    build_llama,
+    make_echo_target,
+    perfect_eagle3_draft,
+)
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.tree import max_tree_nodes
 from tandem.engine.structured_output import StructuredSpec
@@ -125,13 +133,18 @@ def _first_drafts(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[in
     return first
 
 
-def test_random_head_tree_contains_the_chain_drafts(models) -> None:
-    """Draft side with a random head (its attention matters fully): the top-1 path through
-    each request's first tree equals the chain decoder's drafts from the same state, as deep
-    as the tree keeps it (a wrong draft tree mask, position or parent hidden state changes
-    depth 2 onwards)."""
+def test_random_head_tree_contains_the_chain_drafts(models, tmp_path: Path) -> None:
+    """Draft side with a random head whose attention writes are amplified (so what a frontier
+    row attends to decides its children): the top-1 path through each request's first tree
+    equals the chain decoder's drafts from the same state (a wrong draft tree mask, position or
+    parent hidden state changes depth 2 or 3)."""
     k, topk = 3, 2
-    chain = {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": k}
+    head = tmp_path / "loud"
+    shutil.copytree(models["eagle3"], head)
+    state = _read_state(head)
+    state["midlayer.self_attn.o_proj.weight"] *= 30.0
+    _write_state(head, state)
+    chain = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
     tree = {**chain, "topk": topk, "num_draft_tokens": max_tree_nodes(k, topk)}
     with LLM(str(models["target"]), speculative_config=chain) as llm:
         chain_first = _first_drafts(llm, PROMPTS)
