@@ -350,7 +350,7 @@ class SpeculativeConfig:
                 "(the draft attends over its tree's frontier nodes with a 64-bit mask)"
             )
         unsupported = {
-            "method 'mtp'": self.method == "mtp",
+            "mtp_mode 'vanilla'": self.method == "mtp" and self.mtp_mode == "vanilla",
             "draft_quantization": self.draft_quantization != "none",
             "disable_by_batch_size": self.disable_by_batch_size is not None,
         }
@@ -367,13 +367,15 @@ class SpeculativeConfig:
 
     @property
     def kv_lookahead(self) -> int:
-        """KV positions past a step's rows that its draft loop may write: 2K for the chain;
-        a tree's draft writes its frontier nodes, (K - 1) * topk rows, after the new root, which
+        """KV positions past a request's tokens that a step may write: 2K for the chain; a
+        tree's draft writes its frontier nodes, (K - 1) * topk rows, after the new root, which
         sits up to K + 1 rows past the verified root."""
         k = self.num_speculative_tokens
         if not self.is_tree:
             return 2 * k
-        return max(2 * k, k + 1 + (k - 1) * self.topk)
+        # The verify rows of a whole tree may pass max_tokens (its nodes deeper than the room
+        # left are not verified): N more.
+        return max(2 * k, k + 1 + (k - 1) * self.topk) + int(self.num_draft_tokens or 0)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

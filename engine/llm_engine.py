@@ -73,6 +73,7 @@ class LLMEngine:
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0
         lookahead = sc.kv_lookahead if sc is not None else 0
         self.vanilla_mtp = sc is not None and sc.method == "mtp" and sc.mtp_mode == "vanilla"
+        self.tree_drafts = sc is not None and sc.is_tree
         self.disable_spec_at = sc.disable_by_batch_size if sc is not None else None
         pc = config.parallel_config
         # Attention DP: every rank owns its requests and KV cache, so one scheduler and block
@@ -253,6 +254,7 @@ class LLMEngine:
                         else []
                     ),
                     token_bitmask=bitmask,
+                    max_draft_depth=r.spec_max_depth if s.num_drafts and self.tree_drafts else None,
                 )
             )
         return StepInput(steps, finished, propose_drafts)
@@ -334,7 +336,13 @@ class LLMEngine:
                     )
                     - 1
                 )
-                drafts = result.draft_token_ids[i][: max(0, room)]
+                if self.tree_drafts:
+                    # Tree nodes are ordered by depth, not along one path: keep the whole tree
+                    # and let verification skip the nodes deeper than the room left.
+                    drafts = result.draft_token_ids[i] if room > 0 else []
+                    request.spec_max_depth = room
+                else:
+                    drafts = result.draft_token_ids[i][: max(0, room)]
                 if drafts and self.structured.is_constrained(rid):
                     drafts = self._grammar_drafts(request, drafts)
                 request.spec_token_ids = drafts

@@ -42,6 +42,9 @@ class RequestStep:
     # unconstrained). Set only when sample. Speculative decoding: [num_drafts + 1, ceil(V / 32)],
     # row j for verified position j (the grammar after the first j drafts).
     token_bitmask: torch.Tensor | None = None
+    # Draft trees: verify only the nodes at most this deep (the tokens left before max_tokens or
+    # max_model_len); None: every node.
+    max_draft_depth: int | None = None
 
 
 @dataclass

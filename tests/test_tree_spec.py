@@ -3,6 +3,7 @@ draft's trees against a reference, seeded sampling, and what is refused."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,16 +12,21 @@ import pytest
 from checkpoints import (
     _read_state,
     _write_state,
+    add_deepseek_mtp_layers,
+    add_mtp_layers,
+    build_deepseek_v3,
     build_eagle3_draft,
     build_llama,
     make_echo_target,
     perfect_eagle3_draft,
+    scale_residual_writes,
+    zero_residual_writes,
 )
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.tree import max_tree_nodes
 from tandem.engine.structured_output import StructuredSpec
 
-# The 50-token prompt runs in chunks under a 16-token budget (chunked prefill next to decodes).
+# The 50-token prompt runs in chunks (chunked prefill next to decodes) under a small budget.
 PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
 
 
@@ -57,13 +63,15 @@ def baseline(models: dict[str, Path]) -> list[list[int]]:
 def test_greedy_tree_speculation_is_exact(models, baseline, topk: int, n: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
     spec = _tree(models, topk, n)
-    with LLM(str(models["target"]), speculative_config=spec, max_num_batched_tokens=16) as llm:
+    # 40 tokens a step: four decoding trees of up to 8 nodes fit (so every request verifies
+    # trees), and the 50-token prompt is still chunked next to them.
+    with LLM(str(models["target"]), speculative_config=spec, max_num_batched_tokens=40) as llm:
         outs = llm.generate(PROMPTS, params)
         assert _tokens(outs) == baseline
         assert all(o.spec_stats.num_drafts > 0 for o in outs)
         stats = llm.engine.get_stats()
-        # Whole trees, or their first nodes where max_tokens leaves less room.
-        assert stats.spec_num_drafts < stats.spec_num_draft_tokens <= n * stats.spec_num_drafts
+        # Whole trees every step (near max_tokens the nodes past the room are not verified).
+        assert stats.spec_num_draft_tokens == n * stats.spec_num_drafts
         assert stats.num_used_kv_blocks == 0
 
 
@@ -78,8 +86,7 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
     n = max_tree_nodes(k, topk)
     prompts = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
     steps = 4
-    # Room for `steps` whole trees (the last steps verify only the nodes max_tokens leaves).
-    max_tokens = 1 + steps * (k + 1) + n
+    max_tokens = 1 + steps * (k + 1)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     spec = {
         "method": "eagle3",
@@ -97,7 +104,7 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
             for out in engine.step():
                 done, drafts = before[out.request_id]
                 new = len(out.outputs[0].token_ids) - done
-                if drafts == n:  # a whole tree (near max_tokens only its first nodes fit)
+                if drafts == n and max_tokens - done - 1 >= k:  # room for the whole depth
                     assert new == k + 1, (out.request_id, new)
                     full += 1
     for prompt, r in zip(prompts, reqs, strict=True):
@@ -244,8 +251,16 @@ def test_tree_configuration_errors(models) -> None:
     ):
         with pytest.raises(ValueError, match=why):
             LLM(t, speculative_config={**base, **extra})
-    with pytest.raises(ValueError, match="does not support method 'mtp'"):
-        LLM(t, speculative_config={"method": "mtp", "topk": 2, "num_draft_tokens": 4})
+    with pytest.raises(ValueError, match="does not support mtp_mode 'vanilla'"):
+        LLM(
+            t,
+            speculative_config={
+                "method": "mtp",
+                "mtp_mode": "vanilla",
+                "topk": 2,
+                "num_draft_tokens": 4,
+            },
+        )
     tree = {**base, "topk": 2, "num_draft_tokens": 4}
     with pytest.raises(ValueError, match="tensor parallelism"):
         LLM(t, speculative_config=tree, tensor_parallel_size=2)
@@ -254,3 +269,170 @@ def test_tree_configuration_errors(models) -> None:
     with LLM(t, speculative_config=tree) as llm:
         with pytest.raises(ValueError, match="not supported with draft trees"):
             llm.generate([[1, 2]], SamplingParams(structured=StructuredSpec("regex", "a+")))
+
+
+def _pair_counts(
+    llm: LLM, n: int, params: dict, seed0: int, max_tokens: int = 2
+) -> dict[tuple[int, ...], int]:
+    """Counts of the first two sampled tokens over n seeded requests of one prompt."""
+    batch = [
+        SamplingParams(**params, max_tokens=max_tokens, ignore_eos=True, seed=seed0 + i)
+        for i in range(n)
+    ]
+    outs = llm.generate([[5, 6, 7]] * n, batch)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        pair = tuple(o.outputs[0].token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+def _two_sample_p(a: dict[tuple[int, ...], int], b: dict[tuple[int, ...], int]) -> float:
+    """Two-sample chi-square p-value; cells with fewer than 10 samples in all are pooled."""
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(a) | set(b))
+    big = [key for key in keys if a.get(key, 0) + b.get(key, 0) >= 10]
+    rows = [[a.get(key, 0) for key in big], [b.get(key, 0) for key in big]]
+    rest = [sum(a.values()) - sum(rows[0]), sum(b.values()) - sum(rows[1])]
+    if sum(rest) >= 10:
+        rows[0].append(rest[0])
+        rows[1].append(rest[1])
+    return float(chi2_contingency(rows)[1])
+
+
+@pytest.mark.slow  # ~10 minutes per case on 2 CPU cores (TREE_CHI2_N lowers the count)
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.7, "top_k": 6}, {"temperature": 1.3, "top_p": 0.5}],
+    ids=["T0.7-topk", "T1.3-topp"],
+)
+def test_tree_sampling_matches_plain_sampling(near_echo: tuple[Path, Path], sampling: dict) -> None:
+    """The first two tokens (the second one emitted by tree verification: an accepted depth-1
+    node or the draw from what the rejected children leave) are distributed as plain sampling
+    from the target: two-sample chi-square over 20,000 requests each, p > 0.01."""
+    target, head = near_echo
+    n = int(os.environ.get("TREE_CHI2_N", "20000"))
+    spec = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": 2,
+        "topk": 3,
+        "num_draft_tokens": 6,
+    }
+    with LLM(str(target), dtype="float32", max_num_seqs=512) as llm:
+        plain = _pair_counts(llm, n, sampling, 0)
+    with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=512) as llm:
+        # max_tokens 3: the second step verifies the tree's depth-1 nodes (the room left).
+        tree = _pair_counts(llm, n, sampling, 10**6, max_tokens=3)
+        stats = llm.engine.get_stats()
+    assert stats.spec_num_accepted_tokens > n // 20  # the trees are accepted often enough
+    assert len(plain) > 5
+    assert _two_sample_p(plain, tree) > 0.01
+
+
+def test_stops_and_max_tokens_mid_tree(near_echo: tuple[Path, Path]) -> None:
+    """A near-perfect head (several nodes accepted per step): max_tokens, a stop token and a
+    stop string that land inside an accepted path end the output where plain decoding does,
+    and every KV block comes back."""
+    target, head = near_echo
+    prompt = list(range(40, 59))
+    greedy = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    with LLM(str(target), dtype="float32") as llm:
+        (ref_out,) = llm.generate([prompt], greedy)
+    ref = ref_out.outputs[0].token_ids
+    spec = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "topk": 2,
+        "num_draft_tokens": 6,
+    }
+    with LLM(str(target), dtype="float32", speculative_config=spec) as llm:
+        for max_tokens in (1, 2, 7, 11):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            (out,) = llm.generate([prompt], params)
+            assert out.outputs[0].token_ids == ref[:max_tokens]
+        stop_tok = ref[9]
+        params = SamplingParams(temperature=0, max_tokens=23, stop_token_ids=[stop_tok])
+        (out,) = llm.generate([prompt], params)
+        assert out.outputs[0].token_ids == ref[: ref.index(stop_tok) + 1]
+        text = llm.tokenizer.decode(ref, skip_special_tokens=True)
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        if stop.strip():
+            params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True, stop=stop)
+            (out,) = llm.generate([prompt], params)
+            assert out.outputs[0].text == text[: text.index(stop)]
+            assert out.outputs[0].finish_reason == "stop"
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_accepted_tokens > stats.spec_num_drafts  # > 1 node per step
+        assert stats.num_used_kv_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Llama target with one MTP layer, a perfect-MTP echo pair, and a DeepSeek-V3 (MLA)
+    target whose MTP layer nearly echoes it."""
+    root = tmp_path_factory.mktemp("tree_mtp")
+    target = build_llama(root / "target", layers=4)
+    add_mtp_layers(target, 1)
+    perfect = build_llama(root / "perfect", layers=2, seed=3)
+    zero_residual_writes(perfect)
+    add_mtp_layers(perfect, 1, perfect=True)
+    dsv3 = build_deepseek_v3(root / "dsv3", layers=2, seed=3)
+    scale_residual_writes(dsv3, 0.05)
+    add_deepseek_mtp_layers(dsv3, 1, echo=True)
+    return {"target": target, "perfect": perfect, "dsv3": dsv3}
+
+
+def _mtp_tree(topk: int, n: int, k: int = 3) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k, "topk": topk, "num_draft_tokens": n}
+
+
+@pytest.mark.parametrize("name", ["target", "dsv3"])
+@pytest.mark.parametrize(("topk", "n"), [(2, 4), (4, 8)])
+def test_mtp_greedy_tree_speculation_is_exact(mtp_models, name: str, topk: int, n: int) -> None:
+    """MTP-Eagle trees (one MTP layer per depth), on a Llama target and on an MLA target (the
+    tree mask through the latent cache's attention), with chunked prefill."""
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    with LLM(str(mtp_models[name]), dtype="float32") as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+    with LLM(
+        str(mtp_models[name]),
+        dtype="float32",
+        speculative_config=_mtp_tree(topk, n),
+        max_num_batched_tokens=16,
+    ) as llm:
+        outs = llm.generate(PROMPTS, params)
+        stats = llm.engine.get_stats()
+    assert _tokens(outs) == base
+    assert stats.spec_num_draft_tokens == n * stats.spec_num_drafts
+    assert stats.num_used_kv_blocks == 0
+    if name == "dsv3":  # a near-echo head: nodes past the first are accepted
+        assert stats.spec_num_accepted_tokens > stats.spec_num_drafts
+
+
+def test_mtp_perfect_draft_accepts_the_full_depth(mtp_models) -> None:
+    """The perfect MTP layer's trees take k + 1 tokens on every step with room for them. At
+    depth 2 every node's children are candidates (the depth-1 frontier is all of depth 1), so
+    with every candidate verified the head's top-1 path is always in the tree; deeper, EAGLE-2
+    keeps the best cumulative scores, which need not include it."""
+    k, topk = 2, 2
+    n = max_tree_nodes(k, topk)
+    steps = 4
+    params = SamplingParams(temperature=0, max_tokens=1 + steps * (k + 1), ignore_eos=True)
+    with LLM(str(mtp_models["perfect"])) as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+    with LLM(str(mtp_models["perfect"]), speculative_config=_mtp_tree(topk, n, k)) as llm:
+        engine = llm.engine
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+        full = 0
+        while engine.has_unfinished_requests():
+            before = {r.request_id: (len(r.output_token_ids), len(r.spec_token_ids)) for r in reqs}
+            for out in engine.step():
+                done, drafts = before[out.request_id]
+                if drafts == n and params.max_tokens - done - 1 >= k:
+                    assert len(out.outputs[0].token_ids) - done == k + 1
+                    full += 1
+    assert [r.output_token_ids for r in reqs] == base
+    assert full >= steps * len(PROMPTS)

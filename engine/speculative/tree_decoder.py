@@ -94,7 +94,8 @@ def _scatter_rows(base: Tensor, rows: Tensor, values: Tensor, keep: Tensor) -> T
 
 
 class TreeDecoder(SpecDecoder):
-    """``SpecDecoder`` for draft trees (Eagle3). ``k`` is num_draft_tokens: the drafts a
+    """``SpecDecoder`` for draft trees (Eagle3, MTP-Eagle: one draft layer reused per depth).
+    ``k`` is num_draft_tokens: the drafts a
     request carries into the next step (the verify rows are k + 1)."""
 
     def __init__(
@@ -107,8 +108,10 @@ class TreeDecoder(SpecDecoder):
         resolver: DraftRowPick = ROW_PICK_RESOLVER,
     ) -> None:
         super().__init__(draft, config, mapping, block_size, resolver)
-        if config.method != "eagle3" or not config.is_tree:
-            raise ValueError("TreeDecoder serves Eagle3 with speculative_config.topk > 1")
+        if self.vanilla or not config.is_tree:
+            raise ValueError(
+                "TreeDecoder serves Eagle3 and MTP-Eagle with speculative_config.topk > 1"
+            )
         self.depth = config.num_speculative_tokens
         self.topk = config.topk
         self.k = config.num_draft_tokens
@@ -146,9 +149,13 @@ class TreeDecoder(SpecDecoder):
         parents_t = torch.stack(parents)  # [B, N]
         depths_t = torch.stack(depths)
         words_t = torch.stack(words)  # [B, N + 1]
-        m = layout.num_drafts  # [B] nodes verified (a prefix of the tree)
+        m = layout.num_drafts  # [B] nodes carried (the tree, or a prefix of it)
+        limit = [d if r.max_draft_depth is None else r.max_draft_depth for r in sampled]
+        limit_t = torch.tensor(limit, dtype=torch.int64).to(dev, non_blocking=True)
         j = torch.arange(n, device=dev)
-        tokens = torch.where(j < m[:, None], layout.drafts, -1)
+        # Nodes past the carried ones or deeper than the room left are padding: never accepted.
+        verified = (j < m[:, None]) & (depths_t <= limit_t[:, None])
+        tokens = torch.where(verified, layout.drafts, -1)
         tree = DraftTree(
             tokens=tokens,
             parents=parents_t,
@@ -165,7 +172,7 @@ class TreeDecoder(SpecDecoder):
         first = layout.first_row[:, None]
         node_rows = first + 1 + j  # [B, N] the row of node i
         positions = _scatter_rows(
-            inp.positions, node_rows, layout.positions[:, None] + depths_t, j < m[:, None]
+            inp.positions, node_rows, layout.positions[:, None] + depths_t, verified
         )
         j1 = torch.arange(n + 1, device=dev)
         keep = (j1 <= m[:, None]) & (m[:, None] > 0)
