@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoints import (
     _read_state,
@@ -436,3 +437,67 @@ def test_mtp_perfect_draft_accepts_the_full_depth(mtp_models) -> None:
                     full += 1
     assert [r.output_token_ids for r in reqs] == base
     assert full >= steps * len(PROMPTS)
+
+
+def test_frontier_rows_equal_their_paths_run_as_chains(
+    models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft side, every node: each frontier row of the batched tree-masked draft pass equals
+    the same head run over that node's path alone (its ancestors and itself as one causal
+    sequence after the prefix, no tree mask), for a head with 30x attention writes. A tree word
+    with a missing ancestor or an extra row, a wrong position or parent hidden state fails."""
+    from tandem.engine.speculative.tree_decoder import TreeDecoder
+    from tandem.kernels.paged_attention import build_attention_plan
+    from tandem.models.attention import AttentionMetadata
+
+    head = tmp_path / "loud"
+    shutil.copytree(models["eagle3"], head)
+    state = _read_state(head)
+    state["midlayer.self_attn.o_proj.weight"] *= 30.0
+    _write_state(head, state)
+    original = TreeDecoder.frontier_forward
+    checked: list[int] = []
+
+    def checked_forward(self, layout, root_pos, tokens, hidden, words, positions):  # noqa: ANN001, ANN202
+        out = original(self, layout, root_pos, tokens, hidden, words, positions)
+        b, r, _ = hidden.shape
+        k, bs = self.topk, self.block_size
+        for i in range(b):
+            for f in range(r - k, r):
+                word = int(words[i, f])
+                path = [j for j in range(r) if (word >> j) & 1]  # depth order
+                n = len(path)
+                assert path[-1] == f and n == r // k
+                kv = int(root_pos[i]) + torch.arange(n)
+                table = layout.block_tables[i : i + 1]
+                slots = table[0].long()[kv // bs] * bs + kv % bs
+                seq = torch.tensor([int(root_pos[i]) + n], dtype=torch.int32)
+                qsl = torch.tensor([0, n], dtype=torch.int32)
+                s = int(seq[0])
+                meta = AttentionMetadata(
+                    slot_mapping=slots,
+                    block_tables=table,
+                    seq_lens=seq,
+                    query_start_loc=qsl,
+                    max_query_len=n,
+                    max_seq_len=s,
+                    plan=build_attention_plan(table, seq, qsl, bs, n, s, num_tokens=n),
+                )
+                ref = self.draft(0, positions[i, path], tokens[i, path], hidden[i, path], meta)
+                torch.testing.assert_close(out[i, f - (r - k)], ref[-1], rtol=1e-4, atol=1e-4)
+                checked.append(n)
+        return out
+
+    monkeypatch.setattr(TreeDecoder, "frontier_forward", checked_forward)
+    spec = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "topk": 2,
+        "num_draft_tokens": 6,
+    }
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(models["target"]), dtype="float32", speculative_config=spec) as llm:
+        llm.generate(PROMPTS, params)
+    # Depth-1 and depth-2 frontier rows (depth 3's tokens are the depth-2 rows' children).
+    assert set(checked) == {1, 2}

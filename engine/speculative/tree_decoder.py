@@ -304,7 +304,7 @@ class TreeDecoder(SpecDecoder):
     def draft_tree(self, hidden: Tensor, root_pos: Tensor, layout: VerifyLayout) -> DraftTree:
         """The tree below each new root: hidden [B, H] is draft step 0's output at the row of
         the last accepted token (whose input token is the root's)."""
-        draft, k = self.draft, self.topk
+        k = self.topk
         b, h = hidden.shape
         level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1))
         levels = [level]
@@ -320,18 +320,33 @@ class TreeDecoder(SpecDecoder):
             words = words.gather(1, parent) | (1 << ((depth - 1) * k + bits))
             pos = (root_pos + depth - 1)[:, None].expand(b, k)
             rows.append((tok, hid, words, pos))
-            r = depth * k  # query rows per request: the frontier nodes of every depth so far
             tok_all, hid_all, word_all, pos_all = (
                 torch.cat(x, dim=1) for x in zip(*rows, strict=True)
             )
-            row_meta = self._frontier_meta(layout, root_pos, r, word_all.reshape(-1))
-            new = draft(
-                0, pos_all.reshape(-1), tok_all.reshape(-1), hid_all.reshape(b * r, h), row_meta
-            )
-            out = new.view(b, r, h)[:, -k:]  # this depth's frontier nodes
+            out = self.frontier_forward(layout, root_pos, tok_all, hid_all, word_all, pos_all)
             level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k))
             levels.append(level)
         return build_tree(levels, self.k)
+
+    def frontier_forward(
+        self,
+        layout: VerifyLayout,
+        root_pos: Tensor,
+        tokens: Tensor,
+        hidden: Tensor,
+        words: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
+        """One draft pass over the frontier nodes of every depth so far, R = depth * topk rows
+        per request (tokens, words, positions [B, R], hidden [B, R, H]: each node's input
+        hidden state is its parent's output); returns the outputs of the last topk rows (this
+        depth's frontier), [B, topk, H]."""
+        b, r, h = hidden.shape
+        meta = self._frontier_meta(layout, root_pos, r, words.reshape(-1))
+        new = self.draft(
+            0, positions.reshape(-1), tokens.reshape(-1), hidden.reshape(b * r, h), meta
+        )
+        return new.view(b, r, h)[:, -self.topk :]
 
     def _children(self, hidden: Tensor, b: int, f: int) -> tuple[Tensor, Tensor]:
         """Top-k children of ``b * f`` nodes: (tokens, log-probabilities) [B, F, topk], best
