@@ -443,9 +443,10 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
     models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Draft side, every node: each frontier row of the batched tree-masked draft pass equals
-    the same head run over that node's path alone (its ancestors and itself as one causal
-    sequence after the prefix, no tree mask), for a head with 30x attention writes. A tree word
-    with a missing ancestor or an extra row, a wrong position or parent hidden state fails."""
+    the chain decoder's computation along that node's path (one row per depth after the
+    prefix, each fed the previous row's output, no tree mask), for a head with 30x attention
+    writes. A tree word with a missing ancestor or an extra row, a wrong position or parent
+    hidden state fails it."""
     from tandem.engine.speculative.tree_decoder import TreeDecoder
     from tandem.kernels.paged_attention import build_attention_plan
     from tandem.models.attention import AttentionMetadata
@@ -468,23 +469,27 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
                 path = [j for j in range(r) if (word >> j) & 1]  # depth order
                 n = len(path)
                 assert path[-1] == f and n == r // k
-                kv = int(root_pos[i]) + torch.arange(n)
+                # The chain decoder's computation: one row per depth, each fed the previous
+                # row's output (the first: the root's hidden state, which every depth-1 row
+                # carries), at position and KV slot new root + depth - 1.
                 table = layout.block_tables[i : i + 1]
-                slots = table[0].long()[kv // bs] * bs + kv % bs
-                seq = torch.tensor([int(root_pos[i]) + n], dtype=torch.int32)
-                qsl = torch.tensor([0, n], dtype=torch.int32)
-                s = int(seq[0])
-                meta = AttentionMetadata(
-                    slot_mapping=slots,
-                    block_tables=table,
-                    seq_lens=seq,
-                    query_start_loc=qsl,
-                    max_query_len=n,
-                    max_seq_len=s,
-                    plan=build_attention_plan(table, seq, qsl, bs, n, s, num_tokens=n),
-                )
-                ref = self.draft(0, positions[i, path], tokens[i, path], hidden[i, path], meta)
-                torch.testing.assert_close(out[i, f - (r - k)], ref[-1], rtol=1e-4, atol=1e-4)
+                ref = hidden[i, path[0]][None]
+                for t, row in enumerate(path):
+                    pos = int(root_pos[i]) + t
+                    slot = int(table[0, pos // bs]) * bs + pos % bs
+                    seq = torch.tensor([pos + 1], dtype=torch.int32)
+                    qsl = torch.tensor([0, 1], dtype=torch.int32)
+                    meta = AttentionMetadata(
+                        slot_mapping=torch.tensor([slot]),
+                        block_tables=table,
+                        seq_lens=seq,
+                        query_start_loc=qsl,
+                        max_query_len=1,
+                        max_seq_len=pos + 1,
+                        plan=build_attention_plan(table, seq, qsl, bs, 1, pos + 1, num_tokens=1),
+                    )
+                    ref = self.draft(0, torch.tensor([pos]), tokens[i, row][None], ref, meta)
+                torch.testing.assert_close(out[i, f - (r - k)], ref[0], rtol=1e-4, atol=1e-4)
                 checked.append(n)
         return out
 
