@@ -305,8 +305,8 @@ def _two_sample_p(a: dict[tuple[int, ...], int], b: dict[tuple[int, ...], int]) 
 @pytest.mark.slow  # ~10 minutes per case on 2 CPU cores (TREE_CHI2_N lowers the count)
 @pytest.mark.parametrize(
     "sampling",
-    [{"temperature": 0.7, "top_k": 6}, {"temperature": 1.3, "top_p": 0.5}],
-    ids=["T0.7-topk", "T1.3-topp"],
+    [{"temperature": 0.7, "top_k": 6}, {"temperature": 1.3, "top_k": 8, "top_p": 0.9}],
+    ids=["T0.7-topk", "T1.3-topk-topp"],
 )
 def test_tree_sampling_matches_plain_sampling(near_echo: tuple[Path, Path], sampling: dict) -> None:
     """The first two tokens (the second one emitted by tree verification: an accepted depth-1
@@ -506,3 +506,54 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
         llm.generate(PROMPTS, params)
     # Depth-1 and depth-2 frontier rows (depth 3's tokens are the depth-2 rows' children).
     assert set(checked) == {1, 2}
+
+
+def test_tree_under_preemption_and_prefix_caching(mtp_models) -> None:
+    """An MLA target with MTP trees in a cache too small for all four requests (preemption by
+    recompute) and a second run over cached prompt blocks: the greedy output is unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(mtp_models["dsv3"]), dtype="float32") as llm:
+        base = _tokens(llm.generate(PROMPTS, params))
+    with LLM(
+        str(mtp_models["dsv3"]),
+        dtype="float32",
+        speculative_config=_mtp_tree(2, 6),
+        num_kv_blocks=10,
+        max_model_len=80,
+    ) as llm:
+        assert _tokens(llm.generate(PROMPTS, params)) == base
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0
+        hits = stats.prefix_cache_hits
+        assert _tokens(llm.generate(PROMPTS, params)) == base
+        stats = llm.engine.get_stats()
+        assert stats.prefix_cache_hits > hits
+        assert stats.num_used_kv_blocks == 0
+
+
+def test_tree_logprobs_follow_the_accepted_path(near_echo: tuple[Path, Path]) -> None:
+    """Logprobs of tokens emitted from accepted tree paths come from the verify row that
+    produced each token (the node's, not the column's): equal to plain decoding's."""
+    target, head = near_echo
+    prompts = [[5, 6, 7], list(range(40, 59)), [100]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with LLM(str(target), dtype="float32") as llm:
+        base = llm.generate(prompts, params)
+    spec = {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": 3,
+        "topk": 2,
+        "num_draft_tokens": 6,
+    }
+    with LLM(str(target), dtype="float32", speculative_config=spec) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.get_stats()
+    assert stats.spec_num_accepted_tokens > stats.spec_num_drafts
+    for want, got in zip(base, outs, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            assert a.token_id == b.token_id and a.top_token_ids == b.top_token_ids
+            assert abs(a.logprob - b.logprob) < 1e-4, (a, b)
+            pairs = zip(a.top_logprobs, b.top_logprobs, strict=True)
+            assert max(abs(x - y) for x, y in pairs) < 1e-4
