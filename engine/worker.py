@@ -33,12 +33,14 @@ logger = logging.getLogger(__name__)
 
 def blocks_required(config: EngineConfig) -> tuple[int, int]:
     """(blocks one request of ``max_model_len`` holds, blocks kept back for dummy requests):
-    a request holds its tokens plus the draft loop's look-ahead (2K slots); attention DP and
-    CUDA graphs keep ``num_dummy_blocks`` for the padding requests."""
+    a request holds its tokens plus the draft loop's look-ahead (``kv_lookahead``: 2K slots
+    for a chain, more for a tree); attention DP and CUDA graphs keep ``num_dummy_blocks`` for
+    the padding requests."""
     cc, sc = config.cache_config, config.scheduler_config
     spec = config.speculative_config
     k = spec.num_speculative_tokens if spec is not None else 0
-    per_request = -(-(sc.max_model_len + 2 * k) // cc.block_size)
+    lookahead = spec.kv_lookahead if spec is not None else 0
+    per_request = -(-(sc.max_model_len + lookahead) // cc.block_size)
     pc = config.parallel_config
     dummies = pc.enable_attention_dp and pc.tensor_parallel_size > 1
     dummies |= graph_mode(config.device, config.graph_config.enforce_eager) is not None
