@@ -106,15 +106,15 @@ class SpecDecoder:
             return accept_matching(ids, layout.drafts, layout.num_drafts)
         logits = widen_columns(logits, k1)
         v = logits.shape[-1]
-        flat = _repeat_rows(st, k1)
+        flat = repeat_rows(st, k1)
         p = probs_for_rows(logits.reshape(b * k1, v), flat).view(b, k1, v)
         if not meta.use_rejection_sampling:
-            sampled = _sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
+            sampled = sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
             return accept_matching(sampled, layout.drafts, layout.num_drafts)
         q = self._stored_q(request_ids, layout.drafts, v)
         gens = st.generators
-        uniform = _uniform(b, self.k, gens, logits.device)
-        noise = _exponential((b, k1, v), gens, logits.device)
+        uniform = uniform_noise(b, self.k, gens, logits.device)
+        noise = exponential_noise((b, k1, v), gens, logits.device)
         return rejection_sample(p, q, layout.drafts, layout.num_drafts, uniform, noise)
 
     def _stored_q(self, request_ids: list[str], drafts: Tensor, vocab: int) -> Tensor:
@@ -225,7 +225,7 @@ class SpecDecoder:
         drafts. A captured draft loop reads it from a static buffer."""
         vocab = int(self.draft.config.vocab_size)
         shape = (batch_size, vocab)
-        return torch.stack([_exponential(shape, st.generators, device) for _ in range(self.k)])
+        return torch.stack([exponential_noise(shape, st.generators, device) for _ in range(self.k)])
 
     def draft_loop(
         self,
@@ -401,7 +401,7 @@ class SpecDecoder:
             allowed |= ~allowed.any(dim=-1, keepdim=True)
             full = torch.where(allowed, full, float("-inf"))
         q = probs_for_rows(full, st)
-        return _sample_rows(q, st.generators, noise), q
+        return sample_rows(q, st.generators, noise), q
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """Scatter draft-vocabulary logits to target positions ``arange(draft_V) + d2t``."""
@@ -456,7 +456,7 @@ class SpecDecoder:
         )
 
 
-def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
     """The batch's sampling tensors with every row repeated ``n`` times (verify rows)."""
     import dataclasses
 
@@ -478,7 +478,7 @@ def _repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
     )
 
 
-def _exponential(
+def exponential_noise(
     shape: tuple[int, ...], gens: list[torch.Generator | None], device: torch.device
 ) -> Tensor:
     """Exp(1) noise; row i (first dim) from its request's generator when it has one."""
@@ -489,7 +489,9 @@ def _exponential(
     return noise.clamp_min_(1e-20)
 
 
-def _uniform(b: int, k: int, gens: list[torch.Generator | None], device: torch.device) -> Tensor:
+def uniform_noise(
+    b: int, k: int, gens: list[torch.Generator | None], device: torch.device
+) -> Tensor:
     u = torch.rand((b, k), device=device)
     for i, g in enumerate(gens):
         if g is not None:
@@ -497,9 +499,9 @@ def _uniform(b: int, k: int, gens: list[torch.Generator | None], device: torch.d
     return u
 
 
-def _sample_rows(
+def sample_rows(
     probs: Tensor, gens: list[torch.Generator | None], noise: Tensor | None = None
 ) -> Tensor:
     if noise is None:
-        noise = _exponential(tuple(probs.shape), gens, probs.device)
+        noise = exponential_noise(tuple(probs.shape), gens, probs.device)
     return (probs / noise).argmax(-1)

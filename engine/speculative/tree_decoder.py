@@ -35,10 +35,10 @@ from tandem.engine.sampler import SamplingTensors, probs_for_rows
 from tandem.engine.speculative.decoder import (
     SpecDecoder,
     VerifyLayout,
-    _exponential,
-    _repeat_rows,
-    _sample_rows,
-    _uniform,
+    exponential_noise,
+    repeat_rows,
+    sample_rows,
+    uniform_noise,
     widen_columns,
 )
 from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
@@ -211,16 +211,16 @@ class TreeDecoder(SpecDecoder):
             acc = accept_tree_greedy(tree, cpu_decode.argmax(wide))
         else:
             v = wide.shape[-1]
-            flat = _repeat_rows(st, k1)
+            flat = repeat_rows(st, k1)
             p = probs_for_rows(wide.reshape(b * k1, v), flat).view(b, k1, v)
             if not meta.use_rejection_sampling:
                 # Strict acceptance: a child is accepted iff it is the token the target drew.
-                sampled = _sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
+                sampled = sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
                 acc = accept_tree_greedy(tree, sampled)
             else:
                 gens = st.generators
-                uniform = _uniform(b, n, gens, logits.device)
-                noise = _exponential((b, v), gens, logits.device)
+                uniform = uniform_noise(b, n, gens, logits.device)
+                noise = exponential_noise((b, v), gens, logits.device)
                 acc = accept_tree_sampling(tree, p, uniform, noise)
         self._compact(layout, acc)
         self._path = acc.path
