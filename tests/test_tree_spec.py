@@ -43,10 +43,11 @@ def _tokens(outs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _tree(models: dict[str, Path], topk: int, n: int, k: int = 3) -> dict:
+def _tree(head: Path, topk: int, n: int, k: int = 3) -> dict:
+    """An Eagle3 tree configuration (``head``: the head's folder)."""
     return {
         "method": "eagle3",
-        "model": str(models["eagle3"]),
+        "model": str(head),
         "num_speculative_tokens": k,
         "topk": topk,
         "num_draft_tokens": n,
@@ -63,7 +64,7 @@ def baseline(models: dict[str, Path]) -> list[list[int]]:
 @pytest.mark.parametrize(("topk", "n"), [(2, 4), (2, 8), (4, 4), (4, 8)])
 def test_greedy_tree_speculation_is_exact(models, baseline, topk: int, n: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
-    spec = _tree(models, topk, n)
+    spec = _tree(models["eagle3"], topk, n)
     # 40 tokens a step: four decoding trees of up to 8 nodes fit (so every request verifies
     # trees), and the 50-token prompt is still chunked next to them.
     with LLM(str(models["target"]), speculative_config=spec, max_num_batched_tokens=40) as llm:
@@ -89,13 +90,7 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
     steps = 4
     max_tokens = 1 + steps * (k + 1)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": k,
-        "topk": topk,
-        "num_draft_tokens": n,
-    }
+    spec = _tree(head, topk, n, k)
     with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=4) as llm:
         engine = llm.engine
         reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
@@ -214,14 +209,7 @@ def test_seeded_sampling_with_trees(near_echo: tuple[Path, Path], rejection: boo
     """Seeded sampling through trees (point-mass rejection sampling, or strict acceptance):
     every request completes, the same seeds give the same tokens, and tree nodes are accepted."""
     target, head = near_echo
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": 3,
-        "topk": 2,
-        "num_draft_tokens": 6,
-        "use_rejection_sampling": rejection,
-    }
+    spec = {**_tree(head, 2, 6, 3), "use_rejection_sampling": rejection}
     prompts = [[5, 6, 7], list(range(40, 59)), [100], list(range(60, 97))]
     params = [
         SamplingParams(temperature=t, top_p=0.9, max_tokens=20, ignore_eos=True, seed=s)
@@ -314,13 +302,7 @@ def test_tree_sampling_matches_plain_sampling(near_echo: tuple[Path, Path], samp
     from the target: two-sample chi-square over 20,000 requests each, p > 0.01."""
     target, head = near_echo
     n = int(os.environ.get("TREE_CHI2_N", "20000"))
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": 2,
-        "topk": 3,
-        "num_draft_tokens": 6,
-    }
+    spec = _tree(head, 3, 6, 2)
     with LLM(str(target), dtype="float32", max_num_seqs=512) as llm:
         plain = _pair_counts(llm, n, sampling, 0)
     with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=512) as llm:
@@ -342,13 +324,7 @@ def test_stops_and_max_tokens_mid_tree(near_echo: tuple[Path, Path]) -> None:
     with LLM(str(target), dtype="float32") as llm:
         (ref_out,) = llm.generate([prompt], greedy)
     ref = ref_out.outputs[0].token_ids
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": 3,
-        "topk": 2,
-        "num_draft_tokens": 6,
-    }
+    spec = _tree(head, 2, 6, 3)
     with LLM(str(target), dtype="float32", speculative_config=spec) as llm:
         for max_tokens in (1, 2, 7, 11):
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -494,13 +470,7 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
         return out
 
     monkeypatch.setattr(TreeDecoder, "frontier_forward", checked_forward)
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": 3,
-        "topk": 2,
-        "num_draft_tokens": 6,
-    }
+    spec = _tree(head, 2, 6, 3)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     with LLM(str(models["target"]), dtype="float32", speculative_config=spec) as llm:
         llm.generate(PROMPTS, params)
@@ -539,13 +509,7 @@ def test_tree_logprobs_follow_the_accepted_path(near_echo: tuple[Path, Path]) ->
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     with LLM(str(target), dtype="float32") as llm:
         base = llm.generate(prompts, params)
-    spec = {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": 3,
-        "topk": 2,
-        "num_draft_tokens": 6,
-    }
+    spec = _tree(head, 2, 6, 3)
     with LLM(str(target), dtype="float32", speculative_config=spec) as llm:
         outs = llm.generate(prompts, params)
         stats = llm.engine.get_stats()
