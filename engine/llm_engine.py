@@ -302,11 +302,12 @@ class LLMEngine:
                 request.num_computed_tokens -= n_drafts - (len(emitted) - 1)
                 if request.spec_stats is None:
                     request.spec_stats = SpecStats()
-                request.spec_stats.record(n_drafts, len(emitted) - 1)
-                self.spec_stats.record(n_drafts, len(emitted) - 1)
+                accepted = len(emitted) - 1
+                request.spec_stats.record(n_drafts, accepted, self.num_spec_tokens)
+                self.spec_stats.record(n_drafts, accepted, self.num_spec_tokens)
                 if self.structured.is_constrained(rid):
                     self.constrained_drafts += n_drafts
-                    self.constrained_accepted += len(emitted) - 1
+                    self.constrained_accepted += accepted
             lps = result.logprobs[i]
             status = None
             for j, token in enumerate(emitted):

@@ -47,14 +47,18 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verification step: ``num_drafts`` draft tokens verified (a chain's drafts or a
+        tree's nodes), ``num_accepted`` of them accepted; ``accepted_per_pos[d]`` counts steps
+        that accepted a token at draft depth d + 1 (a tree's ``depth`` bounds the positions)."""
         if num_drafts == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_drafts:
-            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+        positions = num_drafts if depth is None else min(num_drafts, depth)
+        if len(self.accepted_per_pos) < positions:
+            self.accepted_per_pos += [0] * (positions - len(self.accepted_per_pos))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
@@ -78,6 +82,11 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_draft_tokens_per_step(self) -> float:
+        """Draft tokens verified per step: K for a chain, the verified tree's size for trees."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass

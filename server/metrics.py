@@ -32,6 +32,10 @@ LATENCY_BUCKETS = (
 FINISH_REASONS = ("stop", "length")
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
 # (kind, name, help, value from the engine's stats snapshot)
 _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
     ("gauge", "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
@@ -46,6 +50,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("counter", "spec_decode_num_drafts", "Speculative verification steps that had drafts.", lambda s: s.spec_num_drafts),
     ("counter", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda s: s.spec_num_draft_tokens),
     ("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
+    ("gauge", "spec_decode_mean_tokens_per_step", "Tokens emitted per verification step (accepted + 1), since start.", lambda s: _ratio(s.spec_num_accepted_tokens + s.spec_num_drafts, s.spec_num_drafts)),
+    ("gauge", "spec_decode_mean_draft_tokens_per_step", "Draft tokens verified per step (K for a chain, the verified tree's size), since start.", lambda s: _ratio(s.spec_num_draft_tokens, s.spec_num_drafts)),
     ("counter", "spec_decode_constrained_num_draft_tokens", "Draft tokens verified for grammar-constrained requests.", lambda s: s.spec_constrained_draft_tokens),
     ("counter", "spec_decode_constrained_num_accepted_tokens", "Draft tokens accepted for grammar-constrained requests.", lambda s: s.spec_constrained_accepted_tokens),
 )  # fmt: skip
@@ -73,7 +79,7 @@ class _EngineStatsCollector(Collector):
             yield family
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position.",
+            "Steps that accepted a draft token at each draft depth (position 0: depth 1).",
             labels=[*labels, "position"],
         )
         for i, stats in enumerate(replicas):

@@ -27,6 +27,7 @@ from tandem.engine.async_llm import (
 )
 from tandem.engine.input_processor import ContextLengthExceededError
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured_output import StructuredOutputError, StructuredSpec
 from tandem.server.errors import APIError, bad_request, error_body, server_fault, server_unavailable
@@ -200,15 +201,19 @@ def usage(
     }
     stats = [o.spec_stats for o in outs if o.spec_stats is not None]
     if stats:
-        drafts = sum(s.num_drafts for s in stats)
-        draft_tokens = sum(s.num_draft_tokens for s in stats)
-        accepted = sum(s.num_accepted_tokens for s in stats)
+        total = SpecStats()
+        for s in stats:
+            total.merge(s)
         body["spec_decode"] = {
-            "num_drafts": drafts,
-            "num_draft_tokens": draft_tokens,
-            "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "mean_tokens_per_step": (accepted + drafts) / drafts if drafts else 0.0,
+            "num_drafts": total.num_drafts,
+            "num_draft_tokens": total.num_draft_tokens,
+            "num_accepted_tokens": total.num_accepted_tokens,
+            "acceptance_rate": total.acceptance_rate,
+            "mean_tokens_per_step": total.mean_tokens_per_step,
+            # Draft tokens verified per step: K for a chain, the verified tree's size.
+            "mean_draft_tokens_per_step": total.mean_draft_tokens_per_step,
+            # Steps that accepted a draft token at depth d + 1 (entry d).
+            "num_accepted_tokens_per_depth": list(total.accepted_per_pos),
         }
     return body
 

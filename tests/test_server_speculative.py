@@ -126,3 +126,68 @@ def test_structured_output_is_served_under_speculation(server, model_dir):
     drafted = metric(samples, name) - before
     accepted = metric(samples, "tandem:spec_decode_constrained_num_accepted_tokens_total")
     assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
+
+
+@pytest.fixture(scope="module")
+def tree_server(model_dir):
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}
+    with RemoteServer(model_dir, ["--speculative-config", json.dumps(spec)]) as s:
+        yield s
+
+
+def test_tree_statistics_in_usage_and_metrics(tree_server, model_dir):
+    """Draft trees (issue #35): usage.spec_decode and /metrics carry tokens per step, the
+    verified tree's size and acceptance per depth, and they agree."""
+    client = openai.OpenAI(
+        base_url=tree_server.url("/v1"), api_key="none", max_retries=0, timeout=60
+    )
+    model = model_dir.name
+    before = scrape_metrics(tree_server)
+    resp = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    with LLM(str(model_dir), max_model_len=256) as llm:
+        (ref,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert resp.choices[0].text == ref.outputs[0].text
+    usage = resp.usage.model_extra["spec_decode"]
+    steps, accepted = usage["num_drafts"], usage["num_accepted_tokens"]
+    assert steps > 0 and usage["mean_draft_tokens_per_step"] == 6  # whole trees, every step
+    assert usage["mean_tokens_per_step"] == pytest.approx((accepted + steps) / steps)
+    per_depth = usage["num_accepted_tokens_per_depth"]
+    # One entry per depth (not per node); a token accepted at depth d + 1 has one at depth d.
+    assert len(per_depth) == 3 and sum(per_depth) == accepted
+    assert all(a >= b for a, b in zip(per_depth, per_depth[1:], strict=False))
+    after = scrape_metrics(tree_server)
+
+    def delta(name: str, **labels: str) -> float:
+        try:
+            old = metric(before, name, model_name=model, **labels)
+        except KeyError:  # a per-depth series appears with its first step
+            old = 0.0
+        return metric(after, name, model_name=model, **labels) - old
+
+    assert delta("tandem:spec_decode_num_draft_tokens_total") == 6 * steps
+    for d, count in enumerate(per_depth):
+        name = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
+        assert delta(name, position=str(d)) == count
+    name = "tandem:spec_decode_mean_draft_tokens_per_step"
+    assert metric(after, name, model_name=model) == 6
+    name = "tandem:spec_decode_mean_tokens_per_step"
+    assert metric(after, name, model_name=model) == pytest.approx(
+        usage["mean_tokens_per_step"]
+    )  # the only request so far
+
+
+def test_structured_output_with_trees_is_a_400(tree_server, model_dir):
+    client = openai.OpenAI(
+        base_url=tree_server.url("/v1"), api_key="none", max_retries=0, timeout=60
+    )
+    with pytest.raises(openai.BadRequestError, match="draft trees"):
+        client.completions.create(
+            model=model_dir.name,
+            prompt=PROMPT,
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "[a-z]+"}},
+        )
+    resp = client.completions.create(model=model_dir.name, prompt=PROMPT, max_tokens=4)
+    assert resp.usage.completion_tokens == 4  # the server serves on
