@@ -352,7 +352,6 @@ class SpeculativeConfig:
         unsupported = {
             "mtp_mode 'vanilla'": self.method == "mtp" and self.mtp_mode == "vanilla",
             "draft_quantization": self.draft_quantization != "none",
-            "disable_by_batch_size": self.disable_by_batch_size is not None,
         }
         for what, used in unsupported.items():
             if used:
@@ -537,16 +536,8 @@ class EngineArgs:
 def _check_tree_engine(args: EngineArgs, device: torch.device) -> None:
     """What draft trees (speculative_config.topk > 1) do not support yet: refused, never
     silently changed."""
-    from tandem.engine.cuda_graph import graph_mode
-
     unsupported = {
-        "tensor parallelism (tensor_parallel_size > 1)": args.tensor_parallel_size != 1,
-        "attention data parallelism (enable_attention_dp)": args.enable_attention_dp,
         "multiple nodes (nnodes > 1)": args.nnodes != 1,
-        "CUDA graphs / static graph buffers (set enforce_eager=True)": graph_mode(
-            device, args.enforce_eager
-        )
-        is not None,
     }
     for what, used in unsupported.items():
         if used:

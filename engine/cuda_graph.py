@@ -33,8 +33,9 @@ SAMPLED = "sampled"  # no speculation, some row is random
 @dataclass(frozen=True, order=True)
 class GraphKey:
     batch_size: int  # padded to a bucket
-    draft_len: int
+    draft_len: int  # drafts per request: a chain's K, a tree's num_draft_tokens
     variant: str
+    topk: int = 1  # the tree's children per node (1: a chain); its depth is the engine's K
 
 
 def batch_size_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -72,10 +73,14 @@ def graph_mode(device: torch.device, enforce_eager: bool) -> str | None:
     return None
 
 
-def dummy_kv_tokens(draft_len: int) -> int:
+def dummy_kv_tokens(draft_len: int, topk: int = 1, depth: int = 0) -> int:
     """KV positions a dummy generation request writes: its verify rows (0..K) and the draft
-    loop's single-row steps (up to K accepted + K - 1 further positions)."""
-    return max(draft_len + 1, 2 * draft_len)
+    loop's single-row steps (up to K accepted + K - 1 further positions). A tree of ``depth``
+    (``topk`` > 1, ``draft_len`` nodes): its verify rows, and the frontier rows, (depth - 1) *
+    topk, after a new root up to depth + 1 positions on."""
+    if topk == 1:
+        return max(draft_len + 1, 2 * draft_len)
+    return max(draft_len + 1, depth + 1 + (depth - 1) * topk)
 
 
 def padded_batch_size(batch_size: int, buckets: tuple[int, ...]) -> int | None:
@@ -93,13 +98,13 @@ def sampling_variant(draft_len: int, advanced: bool, all_greedy: bool) -> str:
 
 
 def graph_key(
-    batch_size: int, draft_len: int, variant: str, buckets: tuple[int, ...]
+    batch_size: int, draft_len: int, variant: str, buckets: tuple[int, ...], topk: int = 1
 ) -> GraphKey | None:
     """The graph for a generation-only batch, or None (eager) when it exceeds every bucket."""
     padded = padded_batch_size(batch_size, buckets)
     if padded is None:
         return None
-    return GraphKey(padded, draft_len, variant)
+    return GraphKey(padded, draft_len, variant, topk)
 
 
 def is_generation_request(num_rows: int, num_drafts: int, sample: bool) -> bool:
@@ -149,9 +154,11 @@ class CUDAGraphRunner:
         device: torch.device,
         enabled: bool,
         batch_sizes: Sequence[int] | None = None,
+        topk: int = 1,
     ) -> None:
         self.buckets = graph_batch_sizes(max_batch_size, batch_sizes)
         self.draft_len = draft_len
+        self.topk = topk  # draft trees: every rank has the engine's tree shape
         self.mapping = mapping
         self.device = device
         self.enabled = enabled
@@ -164,7 +171,7 @@ class CUDAGraphRunner:
         all_can, max_bs = agree_across_ranks(can_graph, batch_size, self.mapping, self.device)
         if not all_can:
             return GraphPlan(None, 0)
-        key = graph_key(max_bs, self.draft_len, variant, self.buckets)
+        key = graph_key(max_bs, self.draft_len, variant, self.buckets, self.topk)
         if key is None:
             return GraphPlan(None, 0)
         return GraphPlan(key, key.batch_size - batch_size)

@@ -36,6 +36,7 @@ from tandem.engine.cuda_graph import ADVANCED, GREEDY, SAMPLED, GraphKey, dummy_
 from tandem.engine.sampler import SamplingTensors
 from tandem.engine.speculative.decoder import VerifyLayout
 from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import PreparedInputs, StepInput
 from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
 from tandem.models.attention import AttentionMetadata
@@ -45,10 +46,10 @@ if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
 
 
-def max_blocks_per_request(max_model_len: int, draft_len: int, block_size: int) -> int:
-    """Block-table width of the static buffers: a request at ``max_model_len`` plus the draft
-    loop's lookahead (2K), plus one block of slack."""
-    return -(-(max_model_len + 2 * draft_len) // block_size) + 1
+def max_blocks_per_request(max_model_len: int, kv_lookahead: int, block_size: int) -> int:
+    """Block-table width of the static buffers: a request at ``max_model_len`` plus a step's
+    KV look-ahead (``SpeculativeConfig.kv_lookahead``), plus one block of slack."""
+    return -(-(max_model_len + kv_lookahead) // block_size) + 1
 
 
 class Segment:
@@ -105,11 +106,16 @@ class GraphRunner:
         self.runner = runner
         self.spec = runner.spec
         self.k = runner.k
+        # Draft trees: the target verifies tree rows (positions root + depth, a tree mask)
+        # and the draft segment drafts the next tree (its shape leaves as static outputs).
+        self.tree = isinstance(self.spec, TreeDecoder)
+        self.topk = self.spec.topk if isinstance(self.spec, TreeDecoder) else 1
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.mapping = mapping
         self.use_cuda = mode == "cuda"
         self.block_size = runner.block_size
-        self.max_blocks = max_blocks_per_request(max_model_len, self.k, self.block_size)
+        lookahead = self.spec.config.kv_lookahead if self.spec is not None else 0
+        self.max_blocks = max_blocks_per_request(max_model_len, lookahead, self.block_size)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.pool: Any = None
         self.num_replays = 0
@@ -145,6 +151,10 @@ class GraphRunner:
         z("row_owner", (n,), i64)
         z("num_accepted", (b,), i64)
         z("tokens", (b, k1), i64)
+        if isinstance(self.spec, TreeDecoder):
+            z("tree_positions", (n,), i64)
+            z("tree_mask", (n,), i64)
+            z("path", (b, self.spec.depth), i64)
         if self.spec.vanilla:
             z("future", (b, k1), i64)
             z("row_req", (n,), i64)
@@ -170,11 +180,14 @@ class GraphRunner:
         tp = self.mapping.tp_size
         return [b * (self.k + 1)] * tp, [b] * tp
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, tree: bool = False) -> AttentionMetadata:
+        """The step's attention metadata over the static buffers; ``tree``: the target's, with
+        the tree attention words of the verify rows."""
         buf, n = self.buffers, b * (self.k + 1)
         max_seq_len = self.max_blocks * self.block_size
         tables, seq_lens = buf["block_tables"][:b], buf["seq_lens"][:b]
         qsl = buf["query_start_loc"][: b + 1]
+        tree_mask = buf["tree_mask"][:n] if tree else None
         plan = None
         if not gpu_paths(self.runner.device):  # the CPU attention path's indices
             plan = partial(
@@ -186,6 +199,7 @@ class GraphRunner:
                 self.k + 1,
                 max_seq_len,
                 num_tokens=n,
+                tree_mask=tree_mask,
             )
         meta = AttentionMetadata(
             slot_mapping=buf["slot_mapping"][:n],
@@ -195,6 +209,7 @@ class GraphRunner:
             max_query_len=self.k + 1,
             max_seq_len=max_seq_len,
             plan=plan,
+            tree_mask=tree_mask,
         )
         counts = self._counts(b)
         if counts is not None:
@@ -230,15 +245,52 @@ class GraphRunner:
     def _target_fn(self, b: int) -> Callable[[], tuple[Tensor, list[Tensor]]]:
         buf, n, runner = self.buffers, b * (self.k + 1), self.runner
 
+        positions = buf["tree_positions" if self.tree else "positions"][:n]
+
         def target() -> tuple[Tensor, list[Tensor]]:
             return runner.model(
                 buf["input_ids"][:n],
-                buf["positions"][:n],
-                self._meta(b),
+                positions,
+                self._meta(b, tree=self.tree),
                 capture_layers=runner.capture_layers,
             )
 
         return target
+
+    def _layout(self, b: int, meta: AttentionMetadata) -> VerifyLayout:
+        buf = self.buffers
+        return VerifyLayout(
+            rows=buf["rows"][:b],
+            drafts=buf["drafts"][:b],
+            num_drafts=buf["num_drafts"][:b],
+            first_row=buf["first_row"][:b],
+            positions=buf["layout_positions"][:b],
+            block_tables=meta.block_tables,  # every request is sampled: the same tables
+            row_owner=buf["row_owner"][: b * (self.k + 1)],
+            max_seq_len=meta.max_seq_len,
+        )
+
+    def _tree_fn(self, b: int) -> Callable[[], tuple[Tensor, ...]]:
+        """The next trees (tokens, parents, depths, words) from the step's rows and the
+        accepted paths in ``path``."""
+        spec, buf, n = self.spec, self.buffers, b * (self.k + 1)
+        assert isinstance(spec, TreeDecoder)
+
+        def draft() -> tuple[Tensor, ...]:
+            meta = self._meta(b)
+            return spec.next_tree(
+                buf["input_ids"][:n],
+                buf["positions"][:n],
+                meta,
+                buf["draft_hidden"][:n],
+                buf["next_tokens"][:b],
+                self._layout(b, meta),
+                buf["num_accepted"][:b],
+                buf["tokens"][:b],
+                buf["path"][:b],
+            )
+
+        return draft
 
     def _draft_fn(self, b: int, variant: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
         spec, buf, n = self.spec, self.buffers, b * (self.k + 1)
@@ -247,16 +299,7 @@ class GraphRunner:
 
         def draft() -> tuple[Tensor, Tensor | None]:
             meta = self._meta(b)
-            layout = VerifyLayout(
-                rows=buf["rows"][:b],
-                drafts=buf["drafts"][:b],
-                num_drafts=buf["num_drafts"][:b],
-                first_row=buf["first_row"][:b],
-                positions=buf["layout_positions"][:b],
-                block_tables=meta.block_tables,  # every request is sampled: the same tables
-                row_owner=buf["row_owner"][:n],
-                max_seq_len=meta.max_seq_len,
-            )
+            layout = self._layout(b, meta)
             vanilla = SimpleNamespace(future=None, row_req=None, row_last=None)
             if spec.vanilla:
                 vanilla = SimpleNamespace(
@@ -296,7 +339,8 @@ class GraphRunner:
         blocks, largest bucket first (smaller graphs reuse the pool). Fails loudly rather than
         leaving a bucket uncaptured."""
         runner = self.runner
-        need = dummy_kv_tokens(self.k)
+        depth = self.spec.config.num_speculative_tokens if self.spec is not None else 0
+        need = dummy_kv_tokens(self.k, self.topk, depth)
         have = len(runner.dummy_block_ids) * self.block_size
         if have < need:
             raise ValueError(
@@ -311,13 +355,18 @@ class GraphRunner:
             self._copy_target(b, inp)
             target = Segment(self._target_fn(b))
             target.capture(self.pool, self.use_cuda)
+            tree = None  # a tree's draft segment does not depend on the sampling variant
+            if self.tree:
+                self._copy_layout(b, inp)
+                tree = Segment(self._tree_fn(b))
+                tree.capture(self.pool, self.use_cuda)
             for variant in self.variants():
-                draft = None
-                if self.spec is not None:
+                draft = tree
+                if self.spec is not None and tree is None:
                     self._copy_layout(b, inp)
                     draft = Segment(self._draft_fn(b, variant))
                     draft.capture(self.pool, self.use_cuda)
-                key = GraphKey(b, self.k, variant)
+                key = GraphKey(b, self.k, variant, self.topk)
                 self.graphs[key] = CapturedStep(key, target, draft)
         if self.use_cuda:
             torch.cuda.synchronize()
@@ -336,6 +385,12 @@ class GraphRunner:
         buf["query_start_loc"][: b + 1].copy_(meta.query_start_loc)
         if self.spec is None:
             return
+        if self.tree:
+            assert inp.target is not None
+            positions, tree_meta = inp.target
+            assert tree_meta.tree_mask is not None
+            buf["tree_positions"][:n].copy_(positions)
+            buf["tree_mask"][:n].copy_(tree_meta.tree_mask)
         assert inp.next_tokens is not None
         buf["next_tokens"][:b].copy_(inp.next_tokens)
         if self.spec.vanilla:
@@ -369,6 +424,7 @@ class GraphRunner:
             and inp.input_ids.shape[0] == n
             and meta.max_query_len == self.k + 1
             and meta.block_tables.shape[1] <= self.max_blocks
+            and (not self.tree or inp.target is not None)  # the tree's verify rows
             and (counts is None or (meta.all_rank_num_tokens, meta.all_rank_num_picked) == counts)
         )
         if not fits:
@@ -421,6 +477,11 @@ class GraphReplay:
         buf["draft_hidden"][:n].copy_(draft_hidden)
         buf["num_accepted"][:b].copy_(num_accepted)
         buf["tokens"][:b].copy_(tokens)
+        if isinstance(spec, TreeDecoder):  # the next trees; their shapes stay with the decoder
+            buf["path"][:b].copy_(spec.path)
+            tree_tokens, parents, depths, words = self.captured.draft.replay()
+            spec.keep_shapes(request_ids, parents.clone(), depths.clone(), words.clone())
+            return tree_tokens.clone()
         if advanced:
             if not st.no_penalties:
                 raise RuntimeError("penalties are not supported under speculation")

@@ -82,7 +82,7 @@ class LLMEngine:
         num_blocks = self.executor.num_blocks
         # Graph padding also runs dummy requests on those blocks.
         if self.dp_size > 1 or graph_mode(config.device, config.graph_config.enforce_eager):
-            num_blocks -= num_dummy_blocks(cc.block_size, self.num_spec_tokens)
+            num_blocks -= num_dummy_blocks(cc.block_size, lookahead)
         # A draft head's KV in a block's last slots is computed from the tokens after it: one
         # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them.
         follow = 0 if sc is None else self.num_spec_tokens if self.vanilla_mtp else 1

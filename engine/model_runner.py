@@ -137,7 +137,7 @@ class ModelRunner:
             )
             attn.bind_kv_cache(caches)
             self.kv_caches.append(caches)
-        n = num_dummy_blocks(self.block_size, self.k)
+        n = num_dummy_blocks(self.block_size, self.spec.config.kv_lookahead if self.spec else 0)
         self.dummy_block_ids = list(range(num_blocks - n, num_blocks))
 
     # ---------------------------------------------------------------- inputs

@@ -83,9 +83,11 @@ ADP_DUMMY_REQUEST_ID = "__adp_dummy__"
 DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def num_dummy_blocks(block_size: int, num_spec_tokens: int) -> int:
-    """KV blocks reserved for the dummy request: its token plus the draft loop's lookahead."""
-    return -(-(2 * num_spec_tokens + 2) // block_size)
+def num_dummy_blocks(block_size: int, kv_lookahead: int) -> int:
+    """KV blocks reserved for the dummy request: its token plus a step's KV look-ahead
+    (``SpeculativeConfig.kv_lookahead``: 2K for a chain, more for a tree; 0 without
+    speculation), and one slot of slack."""
+    return -(-(kv_lookahead + 2) // block_size)
 
 
 def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]:

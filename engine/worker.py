@@ -38,13 +38,12 @@ def blocks_required(config: EngineConfig) -> tuple[int, int]:
     the padding requests."""
     cc, sc = config.cache_config, config.scheduler_config
     spec = config.speculative_config
-    k = spec.num_speculative_tokens if spec is not None else 0
     lookahead = spec.kv_lookahead if spec is not None else 0
     per_request = -(-(sc.max_model_len + lookahead) // cc.block_size)
     pc = config.parallel_config
     dummies = pc.enable_attention_dp and pc.tensor_parallel_size > 1
     dummies |= graph_mode(config.device, config.graph_config.enforce_eager) is not None
-    return per_request, num_dummy_blocks(cc.block_size, k) if dummies else 0
+    return per_request, num_dummy_blocks(cc.block_size, lookahead) if dummies else 0
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
@@ -194,6 +193,7 @@ class Worker:
             config.device,
             enabled=self.mapping.uses_adp_collectives or mode is not None,
             batch_sizes=gc.cuda_graph_batch_sizes,
+            topk=config.speculative_config.topk if config.speculative_config else 1,
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)

@@ -38,6 +38,11 @@ def spec_config(method: str, draft: Path | None) -> dict[str, Any] | None:
         return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
     if method == "mtp-vanilla":
         return {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": 2}
+    if method == "eagle3-tree":  # depth 2, 2 children per node, 4 nodes verified
+        tree = {"topk": 2, "num_draft_tokens": 4}
+        return {**tree, "method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    if method == "mtp-tree":  # depth 3, 4 children per node, 8 nodes verified
+        return {"method": "mtp", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8}
     return {"method": "mtp", "num_speculative_tokens": 2}
 
 
@@ -64,25 +69,41 @@ def make_worker(
 
 def build_graph_models(root: Path) -> dict[str, Path]:
     """The tiny checkpoints the graph checks run: a 2-layer target with one MTP layer, a copy
-    with two (vanilla MTP) and an Eagle3 head with a 160-token draft vocabulary."""
+    with two (vanilla MTP) and an Eagle3 head with a 160-token draft vocabulary; for draft
+    trees a near-echo target with a near-perfect MTP layer and Eagle3 head (tree nodes are
+    accepted, so their rows' positions and tree mask matter)."""
     import shutil
 
-    from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
+    from checkpoints import (
+        add_mtp_layers,
+        build_eagle3_draft,
+        build_llama,
+        make_echo_target,
+        perfect_eagle3_draft,
+    )
 
     target = build_llama(root / "target", layers=2)
     add_mtp_layers(target, 1)
     vanilla = root / "vanilla"
     shutil.copytree(target, vanilla)
     add_mtp_layers(vanilla, 2, seed=5)
+    echo = build_llama(root / "echo", layers=2, seed=5)
+    make_echo_target(echo, residual_scale=0.3)
+    add_mtp_layers(echo, 1, perfect=True)
     return {
         "target": target,
         "vanilla": vanilla,
         "eagle3": build_eagle3_draft(root / "eagle3", target, draft_vocab=160),
+        "echo": echo,
+        "echo_eagle3": perfect_eagle3_draft(root / "echo_eagle3", echo, residual_scale=0.3),
     }
 
 
 def method_worker(models: dict[str, Path], method: str, **kw: Any) -> Worker:
-    """A CPU worker for ``method`` (none, mtp-eagle, eagle3, mtp-vanilla) on ``models``."""
+    """A CPU worker for ``method`` (none, mtp-eagle, eagle3, mtp-vanilla, eagle3-tree,
+    mtp-tree) on ``models``."""
+    if method.endswith("-tree"):
+        return make_worker(models["echo"], spec_config(method, models["echo_eagle3"]), "cpu", **kw)
     target = models["vanilla" if method == "mtp-vanilla" else "target"]
     return make_worker(target, spec_config(method, models["eagle3"]), "cpu", **kw)
 
@@ -121,25 +142,32 @@ def generation_step(worker: Worker, params: list[SamplingParams]) -> StepInput:
     return StepInput(steps)
 
 
-def _reset(worker: Worker, step: StepInput, q: dict[str, torch.Tensor]) -> None:
-    """The same random state for both runs: RNG, per-request generators, stored q."""
+def _reset(
+    worker: Worker, step: StepInput, q: dict[str, torch.Tensor], shapes: dict[str, Any]
+) -> None:
+    """The same random state for both runs: RNG, per-request generators, stored q (and draft
+    trees' shapes)."""
     runner = worker.runner
     torch.manual_seed(1234)
     runner.generators.clear()
     if runner.spec is not None:
         runner.spec.forget([r.request_id for r in step.requests])
         runner.spec.draft_q.update({k: v.clone() for k, v in q.items()})
+        if shapes:
+            runner.spec.shapes.update(shapes)
 
 
 def replay_and_eager(
     worker: Worker, step: StepInput, adp: bool = False
 ) -> tuple[StepOutput, StepOutput, GraphKey, dict[str, Any]]:
-    """(eager output, replayed output, the key, stored q after each run) of the padded step;
+    """(eager output, replayed output, the key, stored q after each run and the tree shapes
+    before them) of the padded step;
     ``adp``: with the per-rank counts attention DP passes (one rank)."""
     runner, graphs = worker.runner, worker.runner.graph_runner
     assert graphs is not None
     spec = runner.spec
     q0 = {} if spec is None else {k: v.clone() for k, v in spec.draft_q.items()}
+    shapes0 = dict(getattr(spec, "shapes", {}))  # draft trees: the shapes being verified
     _, plan = runner.plan_graph(step.requests)  # sampling path, then the key
     assert plan.key is not None, "a generation-only step within the buckets must graph"
     padded = runner.pad_generation(step, plan.num_padding)
@@ -147,16 +175,24 @@ def replay_and_eager(
     counts = None
     if adp:
         counts = ([sum(len(r.token_ids) for r in padded.requests)], [len(padded.requests)])
-    _reset(worker, padded, q0)
+    _reset(worker, padded, q0, shapes0)
     eager = runner.execute(padded, counts, scanned=True)
     q_eager = {} if spec is None else {r: spec.draft_q[r].clone() for r in ids if r in spec.draft_q}
+    shapes_eager = _shapes(spec, ids)
     runner.plan_graph(step.requests)  # the replay's own scan, as a step would do
-    _reset(worker, padded, q0)
+    _reset(worker, padded, q0, shapes0)
     before = graphs.num_replays
     graphed = runner.execute(padded, counts, scanned=True, key=plan.key)
     assert graphs.num_replays == before + 1, "the step ran eagerly instead of replaying"
     q_graph = {} if spec is None else {r: spec.draft_q[r].clone() for r in ids if r in spec.draft_q}
-    return eager, graphed, plan.key, {"eager": q_eager, "graph": q_graph}
+    # Draft trees: the next trees' shapes (parents, depths, attention words) agree too.
+    assert _shapes(spec, ids) == shapes_eager
+    return eager, graphed, plan.key, {"eager": q_eager, "graph": q_graph, "shapes": shapes0}
+
+
+def _shapes(spec: Any, ids: list[str]) -> dict[str, list[list[int]]]:
+    shapes = getattr(spec, "shapes", {})
+    return {r: [t.tolist() for t in shapes[r]] for r in ids if r in shapes}
 
 
 def assert_same(eager: StepOutput, graphed: StepOutput, atol: float = 1e-5) -> None:
@@ -186,7 +222,7 @@ def check_variant(worker: Worker, params: list[SamplingParams], expected_variant
         for rid, qe in q["eager"].items():
             torch.testing.assert_close(q["graph"][rid], qe, atol=1e-5, rtol=1e-5)
         if all(p.temperature == 0 for p in params[:n]):
-            _reset(worker, step, {})
+            _reset(worker, step, {}, q["shapes"])
             alone = worker.runner.execute(step)
             assert graphed.token_ids[:n] == alone.token_ids
             assert graphed.draft_token_ids[:n] == alone.draft_token_ids

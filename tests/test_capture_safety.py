@@ -21,7 +21,7 @@ import pytest
 from tandem.kernels.paged_attention import FORCE_GPU_PATHS, GPU_PATHS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ["none", "mtp-eagle", "eagle3", "mtp-vanilla"]
+METHODS = ["none", "mtp-eagle", "eagle3", "mtp-vanilla", "eagle3-tree"]
 inner = pytest.mark.skipif(not FORCE_GPU_PATHS, reason=f"needs {GPU_PATHS_ENV}=1 at import")
 
 
@@ -41,7 +41,7 @@ def test_in_a_process_on_the_gpu_paths() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == len(METHODS) + 4, proc.stdout[-3000:]
+    assert passed and int(passed.group(1)) == len(METHODS) + 5, proc.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_inner_an_item_in_the_draft_loop_is_caught(
 
 
 @inner
-@pytest.mark.parametrize("method", ["none", "mtp-eagle"])
+@pytest.mark.parametrize("method", ["none", "mtp-eagle", "eagle3-tree"])
 def test_inner_a_step_syncs_with_the_host_once(tiny: dict[str, Path], method: str) -> None:
     """Prefill, decode (greedy and sampled, with logprobs), speculative verify + draft loop and
     a mixed prefill + decode step each read their results back in one host sync."""

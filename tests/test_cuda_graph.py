@@ -215,7 +215,9 @@ def static_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(STATIC_GRAPHS_ENV, "1")
 
 
-@pytest.mark.parametrize("method", ["none", "mtp-eagle", "eagle3", "mtp-vanilla"])
+@pytest.mark.parametrize(
+    "method", ["none", "mtp-eagle", "eagle3", "mtp-vanilla", "eagle3-tree", "mtp-tree"]
+)
 def test_static_replay_equals_eager_for_every_key(tiny, static_graphs, method: str) -> None:
     """Target forward plus draft loop through the static buffers equal eager execution for
     every bucket (1, 2, and 3 live rows padded to 4) and both sampling variants."""
@@ -266,10 +268,15 @@ def test_adp_dummy_replays(tiny, static_graphs) -> None:
     check_adp_dummy(_worker(tiny, "mtp-eagle", adp=True))
 
 
-def test_engine_replays_and_equals_eager(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-tree"])
+def test_engine_replays_and_equals_eager(
+    tiny, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
     """End to end: greedy and seeded-random generation with graphs equal the eager engine's,
     the engine reserves the dummy blocks, and enforce_eager captures nothing."""
-    spec = spec_config("eagle3", tiny["eagle3"])
+    tree = method.endswith("-tree")  # the near-echo pair: tree nodes are accepted
+    spec = spec_config(method, tiny["echo_eagle3" if tree else "eagle3"])
+    target = tiny["echo" if tree else "target"]
     params = [
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True),
@@ -279,7 +286,7 @@ def test_engine_replays_and_equals_eager(tiny, monkeypatch: pytest.MonkeyPatch) 
     outs = {}
     for mode in ("eager", "static", "enforce_eager"):
         monkeypatch.setenv(STATIC_GRAPHS_ENV, "0" if mode == "eager" else "1")
-        with LLM(str(tiny["target"]), enforce_eager=mode == "enforce_eager", **kw) as llm:
+        with LLM(str(target), enforce_eager=mode == "enforce_eager", **kw) as llm:
             engine = llm.engine
             graphs = engine.executor.worker.runner.graph_runner
             reserved = engine.executor.num_blocks - engine.block_manager.num_blocks

@@ -43,6 +43,14 @@ def _spec(models: dict[str, Path], method: str, k: int) -> dict:
         return {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": k}
     if method == "mtp-vanilla":
         return {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": k}
+    if method == "eagle3-tree":  # a draft tree: 2 children per node, 6 nodes verified
+        tree = {"topk": 2, "num_draft_tokens": 6}
+        return {
+            **tree,
+            "method": "eagle3",
+            "model": str(models["eagle3"]),
+            "num_speculative_tokens": k,
+        }
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
@@ -478,7 +486,7 @@ def test_drafts_do_not_depend_on_chunking(models, method: str) -> None:
     assert any(d for steps in runs[0].values() for d in steps)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle"])
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle", "eagle3-tree"])
 def test_speculation_pauses_at_the_batch_size_limit(models, baseline, method: str) -> None:
     """``disable_by_batch_size``: a step of at least that many requests proposes no drafts (the
     next step decodes one token per request), speculation resumes once the batch shrinks, greedy

@@ -236,7 +236,6 @@ def test_tree_configuration_errors(models) -> None:
         ({"topk": 2, "num_draft_tokens": 11}, r"must be <= 10"),
         ({"topk": 1, "num_draft_tokens": 4}, r"must be <= 3"),
         ({"topk": 2, "num_draft_tokens": 4, "draft_quantization": "int8"}, "draft_quantization"),
-        ({"topk": 2, "num_draft_tokens": 4, "disable_by_batch_size": 4}, "disable_by_batch_size"),
     ):
         with pytest.raises(ValueError, match=why):
             LLM(t, speculative_config={**base, **extra})
@@ -251,10 +250,6 @@ def test_tree_configuration_errors(models) -> None:
             },
         )
     tree = {**base, "topk": 2, "num_draft_tokens": 4}
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        LLM(t, speculative_config=tree, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="attention data parallelism"):
-        LLM(t, speculative_config=tree, enable_attention_dp=True)
     with LLM(t, speculative_config=tree) as llm:
         with pytest.raises(ValueError, match="not supported with draft trees"):
             llm.generate([[1, 2]], SamplingParams(structured=StructuredSpec("regex", "a+")))
@@ -435,8 +430,8 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
     original = TreeDecoder.frontier_forward
     checked: list[int] = []
 
-    def checked_forward(self, layout, root_pos, tokens, hidden, words, positions):  # noqa: ANN001, ANN202
-        out = original(self, layout, root_pos, tokens, hidden, words, positions)
+    def checked_forward(self, layout, root_pos, tokens, hidden, words, positions, counts=None):  # noqa: ANN001, ANN202
+        out = original(self, layout, root_pos, tokens, hidden, words, positions, counts)
         b, r, _ = hidden.shape
         k, bs = self.topk, self.block_size
         for i in range(b):
@@ -521,3 +516,52 @@ def test_tree_logprobs_follow_the_accepted_path(near_echo: tuple[Path, Path]) ->
             assert abs(a.logprob - b.logprob) < 1e-4, (a, b)
             pairs = zip(a.top_logprobs, b.top_logprobs, strict=True)
             assert max(abs(x - y) for x, y in pairs) < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_tp_and_adp_trees_equal_one_rank(tmp_path: Path) -> None:
+    """TP = 2 and attention DP = 2 with LM-head TP give one rank's tokens; TP ranks draft the
+    same trees and attention-DP ranks accept as many tokens per request (their drafts come from
+    a batch split over ranks: the draft MLP gathers every rank's frontier rows)."""
+    # Near-perfect heads on a near-echo target: some nodes past the first are accepted.
+    target = build_llama(tmp_path / "t", layers=2, seed=5)
+    make_echo_target(target, residual_scale=0.3)
+    add_mtp_layers(target, 1, perfect=True)
+    eagle3 = perfect_eagle3_draft(tmp_path / "d", target, residual_scale=0.3)
+    prompts = PROMPTS[:3]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    adp = {"tensor_parallel_size": 2, "enable_attention_dp": True, "enable_lm_head_tp_in_adp": True}
+    with LLM(str(target), dtype="float32") as llm:
+        base = _tokens(llm.generate(prompts, params))
+    for spec in (_tree(eagle3, 2, 6), _mtp_tree(4, 8)):
+        one = _run_steps(
+            LLM(str(target), dtype="float32", speculative_config=spec), prompts, params
+        )
+        assert one[0] == base and any(one[1])
+        tp = _run_steps(
+            LLM(str(target), dtype="float32", speculative_config=spec, tensor_parallel_size=2),
+            prompts,
+            params,
+        )
+        assert tp == one, spec  # tokens, and the tree each step left on each request
+        with LLM(str(target), dtype="float32", speculative_config=spec, **adp) as llm:
+            outs = llm.generate(prompts, params)
+        assert _tokens(outs) == base, spec
+        accepted = [(o.spec_stats.num_drafts, o.spec_stats.num_accepted_tokens) for o in outs]
+        assert accepted == one[2], spec
+
+
+def _run_steps(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[int]], list[list[int]], list[tuple[int, int]]]:
+    """(each prompt's tokens, the drafts each step left on each request, each request's
+    (verification steps, accepted tokens)); closes ``llm``."""
+    with llm:
+        engine = llm.engine
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        drafts: list[list[int]] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                drafts.append(list(reqs[int(out.request_id[1:])].spec_token_ids))
+        stats = [(r.spec_stats.num_drafts, r.spec_stats.num_accepted_tokens) for r in reqs]
+        return [list(r.output_token_ids) for r in reqs], drafts, stats

@@ -240,12 +240,19 @@ class TreeDecoder(SpecDecoder):
 
     # ------------------------------------------------------------------ drafting
 
-    def _chain_order(self, layout: VerifyLayout, num_accepted: Tensor, rows: int) -> Tensor:
-        """[rows] source row of every row once the accepted paths are in chain order (row
-        first + j takes the row of the depth-j accepted node; other rows stay)."""
-        path = self._path
-        if path is None:
+    @property
+    def path(self) -> Tensor:
+        """[B, D] this step's accepted paths (``verify`` sets it; drafting reads it)."""
+        if self._path is None:
             raise RuntimeError("TreeDecoder drafts after verify (no accepted path yet)")
+        return self._path
+
+    def _chain_order(
+        self, layout: VerifyLayout, num_accepted: Tensor, rows: int, path: Tensor
+    ) -> Tensor:
+        """[rows] source row of every row once the accepted paths (``path`` [B, D]) are in
+        chain order (row first + j takes the row of the depth-j accepted node; other rows
+        stay)."""
         d = path.shape[1]
         j = torch.arange(1, d + 1, device=path.device)
         first = layout.first_row[:, None]
@@ -263,7 +270,7 @@ class TreeDecoder(SpecDecoder):
         tokens: Tensor,
     ) -> None:
         """A step that proposes no drafts: draft step 0 over the rows in chain order."""
-        order = self._chain_order(layout, num_accepted, inp.input_ids.shape[0])
+        order = self._chain_order(layout, num_accepted, inp.input_ids.shape[0], self.path)
         last_rows = inp.meta.query_start_loc[1:].long() - 1
         step_tokens, _ = build_draft_step0_inputs(
             layout.first_row, num_accepted, tokens, inp.input_ids[order], last_rows, inp.next_tokens
@@ -287,23 +294,58 @@ class TreeDecoder(SpecDecoder):
     ) -> Tensor:
         """Draft every sampled request's next tree; returns its tokens [B, N] (target
         vocabulary, tree order) and keeps its shape for the next step's verification."""
-        order = self._chain_order(layout, num_accepted, input_ids.shape[0])
+        rows = (input_ids, positions, target_meta, draft_hidden, next_tokens, layout)
+        tree = self.next_tree(*rows, num_accepted, tokens, self.path)
+        self.keep_shapes(request_ids, *tree[1:])
+        return tree[0]
+
+    def keep_shapes(
+        self, request_ids: list[str], parents: Tensor, depths: Tensor, words: Tensor
+    ) -> None:
+        """Each request's next tree shape, for its verification: parents and depths [B, N],
+        attention words [B, N + 1]."""
+        self.forget(request_ids)
+        for i, rid in enumerate(request_ids):
+            self.shapes[rid] = (parents[i], depths[i], words[i])
+
+    def next_tree(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        path: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The next trees from this step's rows: (tokens, parents, depths [B, N], attention
+        words [B, N + 1]). Device work only, no host reads and no state kept: what a CUDA graph
+        captures (``path``: this step's accepted paths, a static buffer there)."""
+        order = self._chain_order(layout, num_accepted, input_ids.shape[0], path)
         last_rows = target_meta.query_start_loc[1:].long() - 1
         step_tokens, gather_ids = build_draft_step0_inputs(
             layout.first_row, num_accepted, tokens, input_ids[order], last_rows, next_tokens
         )
         hidden = self.draft(0, positions, step_tokens, draft_hidden[order], target_meta)
         root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
-        tree = self.draft_tree(hidden[gather_ids], root_pos, layout)
+        picked = target_meta.all_rank_num_picked  # attention DP: every rank's sampled rows
+        tree = self.draft_tree(hidden[gather_ids], root_pos, layout, picked)
         words = tree_attention_words(tree.ancestors)
-        self.forget(request_ids)
-        for i, rid in enumerate(request_ids):
-            self.shapes[rid] = (tree.parents[i], tree.depths[i], words[i])
-        return tree.tokens
+        return tree.tokens, tree.parents, tree.depths, words
 
-    def draft_tree(self, hidden: Tensor, root_pos: Tensor, layout: VerifyLayout) -> DraftTree:
+    def draft_tree(
+        self,
+        hidden: Tensor,
+        root_pos: Tensor,
+        layout: VerifyLayout,
+        all_rank_num_picked: list[int] | None = None,
+    ) -> DraftTree:
         """The tree below each new root: hidden [B, H] is draft step 0's output at the row of
-        the last accepted token (whose input token is the root's)."""
+        the last accepted token (whose input token is the root's). ``all_rank_num_picked``:
+        every rank's request count under attention DP (the draft MLP gathers every rank's
+        frontier rows)."""
         k = self.topk
         b, h = hidden.shape
         level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1))
@@ -323,7 +365,9 @@ class TreeDecoder(SpecDecoder):
             tok_all, hid_all, word_all, pos_all = (
                 torch.cat(x, dim=1) for x in zip(*rows, strict=True)
             )
-            out = self.frontier_forward(layout, root_pos, tok_all, hid_all, word_all, pos_all)
+            out = self.frontier_forward(
+                layout, root_pos, tok_all, hid_all, word_all, pos_all, all_rank_num_picked
+            )
             level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k))
             levels.append(level)
         return build_tree(levels, self.k)
@@ -336,6 +380,7 @@ class TreeDecoder(SpecDecoder):
         hidden: Tensor,
         words: Tensor,
         positions: Tensor,
+        all_rank_num_picked: list[int] | None = None,
     ) -> Tensor:
         """One draft pass over the frontier nodes of every depth so far, R = depth * topk rows
         per request (tokens, words, positions [B, R], hidden [B, R, H]: each node's input
@@ -343,6 +388,9 @@ class TreeDecoder(SpecDecoder):
         depth's frontier), [B, topk, H]."""
         b, r, h = hidden.shape
         meta = self._frontier_meta(layout, root_pos, r, words.reshape(-1))
+        if all_rank_num_picked is not None:
+            counts = [n * r for n in all_rank_num_picked]
+            meta.all_rank_num_tokens = meta.all_rank_num_picked = counts
         new = self.draft(
             0, positions.reshape(-1), tokens.reshape(-1), hidden.reshape(b * r, h), meta
         )
