@@ -167,3 +167,43 @@ def test_engine_step0_post_attention_rows(folders, monkeypatch, disable: bool | 
     # Later steps: one row per request either way (draft steps 1..K-1, and picked step 0).
     if not disable:
         assert max(seen) == 2
+
+
+def test_tree_passes_pick_the_rows_expanded_next(folders, monkeypatch) -> None:
+    """Draft trees: step 0's post-attention part runs on one row per request and each frontier
+    pass's on the topk rows whose children are taken next (not on every frontier row); the
+    trees drafted, and the output, equal those with row picking off."""
+    monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")  # the hook watches the eager modules
+    target, draft = folders
+    spec = {
+        "method": "eagle3",
+        "model": str(draft),
+        "num_speculative_tokens": 3,
+        "topk": 2,
+        "num_draft_tokens": 6,
+    }
+    prompts = [list(range(10, 30)), [5, 6, 7]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for disable in (False, True):
+        with LLM(
+            str(target), speculative_config={**spec, "disable_draft_row_pick": disable}
+        ) as llm:
+            engine = llm.engine
+            midlayer = engine.executor.worker.runner.spec.draft.midlayer
+            seen: list[int] = []
+            midlayer.post_attention_layernorm.register_forward_hook(
+                lambda m, args, out, seen=seen: seen.append(args[0].shape[0])
+            )
+            reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+            trees = []
+            while engine.has_unfinished_requests():
+                engine.step()
+                trees.append([list(r.spec_token_ids) for r in reqs])
+            runs[disable] = ([r.output_token_ids for r in reqs], trees, seen)
+    assert runs[False][:2] == runs[True][:2]  # the same tokens and the same trees every step
+    picked, unpicked = runs[False][2], runs[True][2]
+    # Picked: 2 rows (step 0), then 2 requests x topk 2 per frontier pass. Unpicked: every
+    # prompt row at first (23), and the frontier passes' depth x topk rows per request (8).
+    assert max(picked) == 4 and 2 in picked
+    assert unpicked[0] == 23 and 8 in unpicked

@@ -328,12 +328,30 @@ class TreeDecoder(SpecDecoder):
         step_tokens, gather_ids = build_draft_step0_inputs(
             layout.first_row, num_accepted, tokens, input_ids[order], last_rows, next_tokens
         )
-        hidden = self.draft(0, positions, step_tokens, draft_hidden[order], target_meta)
+        # Row pick: step 0's post-attention part only on the rows the tree grows from.
+        if self.picks_rows():
+            hidden = self.draft(
+                0, positions, step_tokens, draft_hidden[order], target_meta, pick_rows=gather_ids
+            )
+        else:
+            hidden = self.draft(0, positions, step_tokens, draft_hidden[order], target_meta)
+            hidden = hidden[gather_ids]
         root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
         picked = target_meta.all_rank_num_picked  # attention DP: every rank's sampled rows
-        tree = self.draft_tree(hidden[gather_ids], root_pos, layout, picked)
+        tree = self.draft_tree(hidden, root_pos, layout, picked)
         words = tree_attention_words(tree.ancestors)
         return tree.tokens, tree.parents, tree.depths, words
+
+    def picks_rows(self) -> bool:
+        """Whether draft passes run their post-attention part only on the rows read next (row
+        pick; ``TLLM_SPEC_DISABLE_DRAFT_ROW_PICK=1`` or ``disable_draft_row_pick`` turn it
+        off)."""
+        return self.resolver.resolve(
+            self.draft.layers[0],
+            self.mapping,
+            num_draft_layers=getattr(self.draft, "num_layers", 1),
+            disabled=self.config.disable_draft_row_pick,
+        )
 
     def draft_tree(
         self,
@@ -385,16 +403,20 @@ class TreeDecoder(SpecDecoder):
         """One draft pass over the frontier nodes of every depth so far, R = depth * topk rows
         per request (tokens, words, positions [B, R], hidden [B, R, H]: each node's input
         hidden state is its parent's output); returns the outputs of the last topk rows (this
-        depth's frontier), [B, topk, H]."""
+        depth's frontier), [B, topk, H]. Every row writes its KV; with row pick only those
+        topk rows run the post-attention part."""
         b, r, h = hidden.shape
+        k = self.topk
         meta = self._frontier_meta(layout, root_pos, r, words.reshape(-1))
         if all_rank_num_picked is not None:
-            counts = [n * r for n in all_rank_num_picked]
-            meta.all_rank_num_tokens = meta.all_rank_num_picked = counts
-        new = self.draft(
-            0, positions.reshape(-1), tokens.reshape(-1), hidden.reshape(b * r, h), meta
-        )
-        return new.view(b, r, h)[:, -self.topk :]
+            meta.all_rank_num_tokens = [n * r for n in all_rank_num_picked]
+            meta.all_rank_num_picked = [n * k for n in all_rank_num_picked]
+        args = (0, positions.reshape(-1), tokens.reshape(-1), hidden.reshape(b * r, h), meta)
+        if not self.picks_rows():
+            return self.draft(*args).view(b, r, h)[:, -k:]
+        last = torch.arange(r - k, r, device=hidden.device)
+        pick = (torch.arange(b, device=hidden.device)[:, None] * r + last).reshape(-1)
+        return self.draft(*args, pick_rows=pick).view(b, k, h)
 
     def _children(self, hidden: Tensor, b: int, f: int) -> tuple[Tensor, Tensor]:
         """Top-k children of ``b * f`` nodes: (tokens, log-probabilities) [B, F, topk], best
