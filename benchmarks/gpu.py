@@ -6,7 +6,9 @@ One command, TP = 1, prints tables:
      (weight bytes + KV bytes one step reads / measured bandwidth);
   3. an Eagle3 K = 3 speculative step (verify K + 1 rows, accept, draft loop with a random-weight
      head) against a plain decode step: the tokens per step speculation must reach to pay;
-  4. the Triton kernels (kernels/paged_attention.py, kernels/spec_decode.py) against their
+  4. draft-tree steps (topk 2 / 4, num_draft_tokens 4 / 8 / 16; eager, benchmarks/gpu_tree.py)
+     against the chain step and the plain one, with the same break-even;
+  5. the Triton kernels (kernels/paged_attention.py, kernels/spec_decode.py) against their
      PyTorch references: time and largest difference.
 
     python -m tandem.bench.gpu              # about a minute on one H200
@@ -307,16 +309,16 @@ def decode_latency(s: Setup, model: Any, kv_per_token: int, bandwidth: float) ->
     print(table(header, rows))
 
 
-def eagle3_step(s: Setup, model: Any, k: int) -> None:
-    """A speculative step (verify K + 1 rows per request, accept, K draft steps) vs a plain one."""
+def build_draft(s: Setup, model: Any) -> Any:
+    """A random-weight Eagle3 head (one Llama layer of the target's shape) bound to ``model``,
+    with its own KV cache; ``free_draft`` releases the cache."""
     import torch
 
-    from tandem.kernels.spec_decode import accept_matching
     from tandem.models.eagle3 import Eagle3Draft
     from tandem.models.loader import default_dtype
     from tandem.models.parallel import ParallelMapping
 
-    cfg = copy.deepcopy(s.config)  # the draft: one Llama layer of the target's shape
+    cfg = copy.deepcopy(s.config)
     cfg.num_hidden_layers = 1
     cfg.draft_vocab_size = min(EAGLE3_DRAFT_VOCAB, s.config.vocab_size)
     with default_dtype(s.dtype), torch.device(s.device):
@@ -325,9 +327,34 @@ def eagle3_step(s: Setup, model: Any, k: int) -> None:
     draft.bind_target(model)
     draft.eval()
     bind_kv_cache(draft.attention_layers(), s.args.num_blocks, s.dtype, s.device)
-    layers = s.config.num_hidden_layers
-    capture = (1, layers // 2 - 1, layers - 4)
+    return draft
+
+
+def free_draft(draft: Any) -> None:
+    """Release the KV cache ``build_draft`` bound."""
+    import torch
+
+    for attn in draft.attention_layers():
+        attn.k_cache = attn.v_cache = torch.empty(0)
+
+
+def capture_layers(config: Any) -> tuple[int, ...]:
+    """The target layers an Eagle3 head reads (its default choice)."""
+    layers = config.num_hidden_layers
+    return (1, layers // 2 - 1, layers - 4)
+
+
+def eagle3_step(s: Setup, model: Any, k: int) -> dict[int, tuple[float, float]]:
+    """A speculative step (verify K + 1 rows per request, accept, K draft steps) vs a plain one.
+    Returns {batch: (plain ms, spec ms)}."""
+    import torch
+
+    from tandem.kernels.spec_decode import accept_matching
+
+    draft = build_draft(s, model)
+    capture = capture_layers(s.config)
     ctx, bps, vocab = s.args.context, s.args.blocks_per_seq, s.config.vocab_size
+    timings: dict[int, tuple[float, float]] = {}
 
     print(f"\n== Eagle3 K={k} step vs plain decode step (random draft head, eager)")
     header = ["batch", "plain ms", "spec ms", "ratio", "break-even tok/step"]
@@ -367,14 +394,15 @@ def eagle3_step(s: Setup, model: Any, k: int) -> None:
             return torch.stack(out, 1)
 
         t_plain, t_spec = s.timer(plain_step), s.timer(spec_step)
+        timings[b] = (t_plain, t_spec)
         rows.append(
             [str(b), f"{t_plain:.3f}", f"{t_spec:.3f}", f"{t_spec / t_plain:.2f}x",
              f"{t_spec / t_plain:.2f}"]
         )  # fmt: skip
     print(table(header, rows))
     print("break-even: the tokens per step (1 + accepted) a real head must reach to win")
-    for attn in draft.attention_layers():
-        attn.k_cache = attn.v_cache = torch.empty(0)
+    free_draft(draft)
+    return timings
 
 
 def kernel_section(s: Setup) -> None:
@@ -536,6 +564,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-sizes", default=None, help="default 1,2,4,8,16,32,64")
     ap.add_argument("--context", type=int, default=1024, help="KV length of every sequence")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
+    ap.add_argument(
+        "--tree-configs",
+        default="2:4,2:8,2:16,4:4,4:8,4:16",
+        metavar="TOPK:N,...",
+        help="draft trees to time (topk:num_draft_tokens; depth = --num-speculative-tokens)",
+    )
     ap.add_argument("--iters", type=int, default=None, help="timed repetitions (default 20)")
     ap.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     ap.add_argument(
@@ -557,7 +591,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.context = min(args.context, 64)
     args.iters = args.iters or (3 if args.smoke else 10 if quick else 20)
     k = args.num_speculative_tokens
-    args.blocks_per_seq = -(-(args.context + 2 * k + 2) // BLOCK_SIZE)
+    try:
+        args.tree_configs = [
+            (int(a), int(n)) for a, n in (c.split(":") for c in args.tree_configs.split(",") if c)
+        ]
+    except ValueError:
+        ap.error(f"--tree-configs: expected TOPK:N,... (e.g. 2:8,4:16), got {args.tree_configs!r}")
+    # KV room past the context: the chain's verify and draft rows, a tree's N + 1 verify rows
+    # and its (K - 1) * topk frontier rows after the new root (at most K + 1 further on).
+    room = max([2 * k + 2] + [max(n + 1, k + 1 + (k - 1) * a) for a, n in args.tree_configs])
+    args.blocks_per_seq = -(-(args.context + room) // BLOCK_SIZE)
     args.num_blocks = max(args.batch_sizes + args.spec_batch_sizes) * args.blocks_per_seq
     return args
 
@@ -598,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
     run_engine = bool(args.engine_model and switch)
     if args.engine_model and not switch:
         print("--engine-model: the engine has no CUDA-graph switch yet; skipped")
+    from tandem.bench.gpu_tree import tree_step  # imports this module's helpers
+
+    k = args.num_speculative_tokens
+    chain: dict[int, tuple[float, float]] = {}  # eagle3 step timings, the tree table's baseline
     with torch.inference_mode():
         bandwidth = measure_bandwidth(s)
         t = time.monotonic()
@@ -606,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model built in {time.monotonic() - t:.1f} s")
         for name, section in (
             ("decode latency", lambda: decode_latency(s, model, kv_per_token, bandwidth)),
-            ("eagle3 step", lambda: eagle3_step(s, model, args.num_speculative_tokens)),
+            ("eagle3 step", lambda: chain.update(eagle3_step(s, model, k))),
+            ("tree step", lambda: tree_step(s, model, k, chain)),
             ("kernels", lambda: kernel_section(s)),
             ("engine", lambda: engine_section(s, switch) if run_engine else None),
         ):
