@@ -795,29 +795,51 @@ void silu_mul(const T* gu, T* out, int64_t M, int64_t I) {
 struct Paged {
   const int32_t* block_tables;
   int64_t bt_stride;
-  const int64_t* row_seq;  // [M] sequence of each row
+  const int64_t* row_seq;  // [M] sequence of each row (a sequence's rows are consecutive)
   const int64_t* kv_len;   // [M] keys each row sees (causal, this step's keys included)
   int64_t block_size;
+  // [M] tree attention words, or null (every row causal). A row r of its sequence's step rows
+  // with a nonzero word sees the keys before the sequence's first step row (the prefix) and,
+  // among step rows 0..r, row i iff bit i is set (rows past 63 never): draft-tree verification
+  // and the draft's frontier passes (kernels/paged_attention.py, the same contract).
+  const int64_t* tree_words;
 };
 
 // The cache slot of every key each row sees (the same for every layer of a step).
 struct KeySlots {
-  std::vector<int64_t> slots;  // row m's keys at slots[start[m] .. start[m] + kv_len[m])
-  std::vector<int64_t> start;
-  KeySlots(const Paged& p, int64_t M, int64_t num_slots) : start(M) {
+  std::vector<int64_t> slots;  // row m's keys at slots[start[m] .. start[m] + len[m])
+  std::vector<int64_t> start, len;
+  KeySlots(const Paged& p, int64_t M, int64_t num_slots) : start(M), len(M) {
+    std::vector<int64_t> row(M), prefix(M);  // row in its sequence's step rows; keys before them
+    std::vector<uint64_t> seen(M, 0);        // the step rows a tree row sees
     int64_t total = 0;
     for (int64_t m = 0; m < M; ++m) {
+      row[m] = m > 0 && p.row_seq[m] == p.row_seq[m - 1] ? row[m - 1] + 1 : 0;
+      prefix[m] = p.kv_len[m] - 1 - row[m];
+      const uint64_t word = p.tree_words ? static_cast<uint64_t>(p.tree_words[m]) : 0;
+      seen[m] = row[m] >= 63 ? word : word & ((uint64_t{2} << row[m]) - 1);
+      len[m] = word ? prefix[m] + __builtin_popcountll(seen[m]) : p.kv_len[m];
+      TORCH_CHECK(len[m] >= 1, "a tree row sees no key");
       start[m] = total;
-      total += p.kv_len[m];
+      total += len[m];
     }
     slots.resize(total);
     for (int64_t m = 0; m < M; ++m) {
       const int32_t* table = p.block_tables + p.row_seq[m] * p.bt_stride;
-      for (int64_t j = 0; j < p.kv_len[m]; ++j) {
+      int64_t* out = slots.data() + start[m];
+      auto put = [&](int64_t j) {
         const int64_t slot =
             static_cast<int64_t>(table[j / p.block_size]) * p.block_size + j % p.block_size;
         TORCH_CHECK(slot >= 0 && slot < num_slots, "block table entry is out of range");
-        slots[start[m] + j] = slot;
+        *out++ = slot;
+      };
+      if (!p.tree_words || p.tree_words[m] == 0) {  // causal
+        for (int64_t j = 0; j < p.kv_len[m]; ++j) put(j);
+        continue;
+      }
+      for (int64_t j = 0; j < prefix[m]; ++j) put(j);
+      for (int64_t i = 0; i < 64 && i <= row[m]; ++i) {
+        if ((seen[m] >> i) & 1) put(prefix[m] + i);
       }
     }
   }
@@ -927,7 +949,7 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
   std::vector<int64_t> row_part(M, -1), row_pieces(M);  // a row's first partials, its pieces
   int64_t parts = 0;
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t L = p.kv_len[m], n = std::max<int64_t>(1, ceil_div(L, KEY_CHUNK));
+    const int64_t L = ks.len[m], n = std::max<int64_t>(1, ceil_div(L, KEY_CHUNK));
     row_pieces[m] = n;
     if (n > 1) row_part[m] = parts;
     for (int64_t c = 0; c < n; ++c) {
@@ -1182,7 +1204,7 @@ Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
                  const torch::Tensor& kv_len, const torch::Tensor& block_tables,
                  const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& weights,
                  const torch::Tensor& cos_sin, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size) {
+                 int64_t block_size, const torch::Tensor& tree_words = torch::Tensor()) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, hidden] tensor");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
               "dtype must be bfloat16 or float32");
@@ -1213,8 +1235,18 @@ Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
     TORCH_CHECK(seq >= 0 && seq < block_tables.size(0), "row sequence is out of range");
     TORCH_CHECK(len >= 1 && len <= max_keys, "key count ", len, " is out of range");
   }
-  return Paged{block_tables.data_ptr<int32_t>(), block_tables.size(1),
-               row_seq.data_ptr<int64_t>(), kv_len.data_ptr<int64_t>(), block_size};
+  const bool tree = tree_words.defined() && tree_words.numel() > 0;
+  if (tree) {
+    TORCH_CHECK(tree_words.scalar_type() == torch::kLong && tree_words.is_contiguous() &&
+                    tree_words.size(0) == x.size(0),
+                "tree_words must be int64 [M]");
+  }
+  return Paged{block_tables.data_ptr<int32_t>(),
+               block_tables.size(1),
+               row_seq.data_ptr<int64_t>(),
+               kv_len.data_ptr<int64_t>(),
+               block_size,
+               tree ? tree_words.data_ptr<int64_t>() : nullptr};
 }
 
 }  // namespace
@@ -1222,13 +1254,14 @@ Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
 // Returns [final normed hidden [M, hidden], the residual stream after each capture layer].
 std::vector<torch::Tensor> llama_stack(
     torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
-    torch::Tensor kv_len, torch::Tensor block_tables, std::vector<torch::Tensor> weights,
-    std::vector<torch::Tensor> caches, torch::Tensor final_norm, torch::Tensor cos_sin,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    int64_t intermediate_size, double eps, double scale, std::vector<int64_t> capture) {
+    torch::Tensor kv_len, torch::Tensor block_tables, torch::Tensor tree_words,
+    std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
+    torch::Tensor final_norm, torch::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t intermediate_size, double eps, double scale,
+    std::vector<int64_t> capture) {
   TORCH_CHECK(weights.size() == caches.size() * 3, "6 weights and 2 caches per layer");
   const Paged p = check_step(x, positions, slots, row_seq, kv_len, block_tables, caches, weights,
-                             cos_sin, num_kv_heads, head_dim, block_size);
+                             cos_sin, num_kv_heads, head_dim, block_size, tree_words);
   const Step s(x.size(0), num_heads, num_kv_heads, head_dim, x.size(1), intermediate_size, eps,
                scale, positions, slots, cos_sin, p, caches[0].numel() / (num_kv_heads * head_dim));
   if (x.scalar_type() == torch::kBFloat16) {
@@ -1241,8 +1274,9 @@ std::vector<torch::Tensor> llama_stack(
 torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vector<int64_t> pick,
                            torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
                            torch::Tensor kv_len, torch::Tensor block_tables,
-                           std::vector<torch::Tensor> weights, torch::Tensor k_cache,
-                           torch::Tensor v_cache, torch::Tensor cos_sin, int64_t num_heads,
+                           torch::Tensor tree_words, std::vector<torch::Tensor> weights,
+                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_sin,
+                           int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t intermediate_size, double eps, double scale) {
   TORCH_CHECK(weights.size() == 7, "7 weights");
@@ -1251,7 +1285,7 @@ torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vect
               "hidden must match embeds");
   const std::vector<torch::Tensor> caches{k_cache, v_cache};
   const Paged p = check_step(embeds, positions, slots, row_seq, kv_len, block_tables, caches,
-                             weights, cos_sin, num_kv_heads, head_dim, block_size);
+                             weights, cos_sin, num_kv_heads, head_dim, block_size, tree_words);
   const int64_t M = embeds.size(0);
   if (pick.empty()) {
     for (int64_t m = 0; m < M; ++m) pick.push_back(m);

@@ -45,6 +45,7 @@ ISA_FLAGS = {
 # branch from the compiler's __AVX512F__ / __AVX512BF16__ macros).
 ISA_CFLAGS = {"avx512_bf16": [], "avx512": ["-mno-avx512bf16"], "avx2": ["-mno-avx512f"]}
 DTYPES = (torch.float32, torch.bfloat16)
+NO_TREE = torch.empty(0, dtype=torch.int64)  # StepRows.tree_words of a step without tree rows
 
 _lock = threading.Lock()
 _ext: Any = None
@@ -148,13 +149,16 @@ def _ext_or_raise() -> Any:
 class StepRows:
     """What a step's rows index, in the extension's types: row ``m`` sits at ``positions[m]``,
     writes its K/V at ``slots[m]`` and attends to the first ``kv_len[m]`` keys of sequence
-    ``row_seq[m]`` (whose blocks are row ``row_seq[m]`` of ``block_tables``)."""
+    ``row_seq[m]`` (whose blocks are row ``row_seq[m]`` of ``block_tables``) — or, where
+    ``tree_words[m]`` is nonzero, to the keys before its sequence's step rows and the step rows
+    its word names (``paged_attention``'s ``tree_mask`` contract)."""
 
     positions: torch.Tensor  # [M] int64
     slots: torch.Tensor  # [M] int64
     row_seq: torch.Tensor  # [M] int64
     kv_len: torch.Tensor  # [M] int64
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    tree_words: torch.Tensor = NO_TREE  # [M] int64, or empty: every row causal
 
 
 def step_rows(
@@ -164,10 +168,11 @@ def step_rows(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     max_query_len: int,
+    tree_mask: torch.Tensor | None = None,
 ) -> StepRows:
     """A step's rows, sequence after sequence: row ``j`` of a sequence's ``q`` query rows sees
     ``seq_len - q + j + 1`` keys (causal, the step's own keys included), the paged attention
-    kernels' contract."""
+    kernels' contract; ``tree_mask``: its tree attention words."""
     num_rows, num_seqs = positions.shape[0], seq_lens.shape[0]
     seq_lens = seq_lens.long()
     if max_query_len == 1 and num_rows == num_seqs:  # one token per sequence
@@ -184,6 +189,7 @@ def step_rows(
         row_seq,
         kv_len.contiguous(),
         block_tables.to(torch.int32).contiguous(),
+        NO_TREE if tree_mask is None else tree_mask.long().contiguous(),
     )
 
 
@@ -237,7 +243,7 @@ def llama_stack(
 
 
 def _row_args(rows: StepRows) -> tuple[torch.Tensor, ...]:
-    return rows.positions, rows.slots, rows.row_seq, rows.kv_len, rows.block_tables
+    return rows.positions, rows.slots, rows.row_seq, rows.kv_len, rows.block_tables, rows.tree_words
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

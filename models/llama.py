@@ -217,7 +217,6 @@ def fast_path_accepts(
         isinstance(meta, AttentionMetadata)
         and 0 < rows <= cpu_decode.MAX_ROWS
         and meta.all_rank_num_tokens is None
-        and meta.tree_mask is None  # the extension has no tree attention
         and k_cache.dtype == dtype
         and k_cache.dim() == 4
         and bool((meta.slot_mapping >= 0).all())
@@ -233,6 +232,7 @@ def fast_step_rows(positions: torch.Tensor, meta: AttentionMetadata) -> cpu_deco
         meta.seq_lens,
         meta.query_start_loc,
         meta.max_query_len,
+        meta.tree_mask,
     )
 
 

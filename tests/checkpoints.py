@@ -681,3 +681,15 @@ def write_eagle3_layout(
     save_file(out, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def eagle3_tree_spec(head: Path, topk: int, n: int, k: int = 3) -> dict[str, Any]:
+    """A speculative_config of Eagle3 draft trees: ``head``'s folder, ``topk`` children per
+    node, ``n`` nodes verified, depth ``k``."""
+    return {
+        "method": "eagle3",
+        "model": str(head),
+        "num_speculative_tokens": k,
+        "topk": topk,
+        "num_draft_tokens": n,
+    }

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, hf_greedy
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, eagle3_tree_spec, hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.kernels import cpu_decode
 from tandem.models.attention import AttentionMetadata
@@ -79,6 +79,7 @@ def checked_against_eager(owner: nn.Module, records: list[dict[str, Any]]) -> It
             {
                 "rows": meta.slot_mapping.shape[0],
                 "seqs": meta.seq_lens.shape[0],
+                "tree": meta.tree_mask is not None and bool(meta.tree_mask.any()),
                 "out_rows": out[0].shape[0],
                 "hidden": diffs[0],
                 "captured": diffs[1:],
@@ -171,6 +172,34 @@ def test_speculative_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype:
     for r in records + drafts:
         assert r["hidden"] <= tol * max(1.0, r["scale"]), r
         assert all(c <= tol * max(1.0, r["scale"]) * 4 for c in r["captured"]), r
+        assert r["kv"] <= tol * 4, r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_steps_equal_eager_layers(tiny: Path, tmp_path: Path, dtype: str) -> None:
+    """Draft trees through the fast path: the target's tree verification (root + N nodes per
+    sequence, tree attention words) and the draft's frontier passes (tree words over the
+    frontier rows, the MLP on the rows expanded next) equal the eager layers."""
+    draft = build_eagle3_draft(tmp_path / "eagle3", tiny)
+    spec = eagle3_tree_spec(draft, 2, 6)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    records: list[dict[str, Any]] = []
+    drafts: list[dict[str, Any]] = []
+    with LLM(str(tiny), dtype=dtype, max_num_seqs=4, speculative_config=spec) as llm:
+        midlayer = llm.engine.executor.worker.runner.spec.draft.midlayer
+        with (
+            checked_against_eager(inner_model(llm), records),
+            checked_against_eager(midlayer, drafts),
+        ):
+            llm.generate(PROMPTS[:3], params)
+    assert any(r["tree"] and r["rows"] == 7 * r["seqs"] for r in records), records
+    frontier = [r for r in drafts if r["tree"]]
+    # Depth x topk rows per sequence; row pick: the MLP on the topk rows expanded next.
+    assert {r["rows"] // r["seqs"] for r in frontier} == {2, 4}
+    assert all(r["out_rows"] == 2 * r["seqs"] for r in frontier)
+    tol = 1e-4 if dtype == "float32" else 0.03
+    for r in records + drafts:
+        assert r["hidden"] <= tol * max(1.0, r["scale"]), r
         assert r["kv"] <= tol * 4, r
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, eagle3_tree_spec
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.interface import DraftRowPick, draft_layer_picks_rows
 from tandem.kernels.paged_attention import build_attention_plan
@@ -175,13 +175,7 @@ def test_tree_passes_pick_the_rows_expanded_next(folders, monkeypatch) -> None:
     trees drafted, and the output, equal those with row picking off."""
     monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", "0")  # the hook watches the eager modules
     target, draft = folders
-    spec = {
-        "method": "eagle3",
-        "model": str(draft),
-        "num_speculative_tokens": 3,
-        "topk": 2,
-        "num_draft_tokens": 6,
-    }
+    spec = eagle3_tree_spec(draft, 2, 6)
     prompts = [list(range(10, 30)), [5, 6, 7]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     runs = {}

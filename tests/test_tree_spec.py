@@ -18,6 +18,7 @@ from checkpoints import (
     build_deepseek_v3,
     build_eagle3_draft,
     build_llama,
+    eagle3_tree_spec,
     make_echo_target,
     perfect_eagle3_draft,
     scale_residual_writes,
@@ -43,15 +44,7 @@ def _tokens(outs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _tree(head: Path, topk: int, n: int, k: int = 3) -> dict:
-    """An Eagle3 tree configuration (``head``: the head's folder)."""
-    return {
-        "method": "eagle3",
-        "model": str(head),
-        "num_speculative_tokens": k,
-        "topk": topk,
-        "num_draft_tokens": n,
-    }
+_tree = eagle3_tree_spec
 
 
 @pytest.fixture(scope="module")
