@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative rows: speculative_config.draft_quantization (int8 draft matrices on "
         "the CPU fast path)",
     )
+    p.add_argument(
+        "--trees",
+        default="",
+        metavar="TOPK:N,...",
+        help="speculative rows also with draft trees (speculative_config topk and "
+        "num_draft_tokens; depth --num-speculative-tokens), e.g. 2:4,2:8,4:8,4:16",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
     p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
@@ -501,6 +508,23 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return ta.get_vocab() == tb.get_vocab()
 
 
+def _trees(value: str, k: int) -> list[tuple[int, int]]:
+    """``--trees``: (topk, num_draft_tokens) pairs, each a valid tree of depth ``k``."""
+    from tandem.engine.speculative.tree import check_tree_shape
+
+    trees = []
+    for item in filter(None, value.split(",")):
+        try:
+            topk, n = (int(x) for x in item.split(":"))
+            check_tree_shape(k, topk, n)
+        except ValueError as e:
+            raise BenchError(f"--trees {item!r}: expected TOPK:N with a valid tree ({e})") from None
+        if topk < 2:
+            raise BenchError(f"--trees {item!r}: topk must be >= 2 (topk 1 is the chain row)")
+        trees.append((topk, n))
+    return trees
+
+
 def _spec_choice(
     given: str | None, default: Path | None, method: str, k: int
 ) -> tuple[dict[str, Any] | None, str]:
@@ -630,6 +654,7 @@ def _main(ns: argparse.Namespace) -> int:
         mtp, mtp_why = {"method": "mtp", "num_speculative_tokens": k}, ""
     else:
         mtp, mtp_why = _spec_choice(ns.mtp, BUILTIN_MTP if builtin else None, "mtp", k)
+    trees = _trees(ns.trees, k)
     for spec in (eagle3, mtp):
         if spec is not None and ns.disable_by_batch_size is not None:
             spec["disable_by_batch_size"] = ns.disable_by_batch_size
@@ -699,17 +724,22 @@ def _main(ns: argparse.Namespace) -> int:
                 lambda: TransformersSystem(model, cfg, prompts[0], ns.assistant_model),
             )
         add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
-        for method, spec, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
-            how = [f"K={k}"]
-            if ns.draft_quantization != "none":
-                how.append(ns.draft_quantization)
-            if ns.disable_by_batch_size is not None:
-                how.append(f"off at {ns.disable_by_batch_size}+")
-            name = f"tandem + {method} ({', '.join(how)})"
-            if spec is None:
-                entries.append(Row(name, by_concurrency=dict(na), note=why))
-                continue
-            add(name, lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]))
+        for method, chain, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
+            for topk, n in [(1, k), *trees]:  # the chain, then each tree
+                how = [f"K={k}"] + ([f"topk {topk} N {n}"] if topk > 1 else [])
+                if ns.draft_quantization != "none":
+                    how.append(ns.draft_quantization)
+                if ns.disable_by_batch_size is not None:
+                    how.append(f"off at {ns.disable_by_batch_size}+")
+                name = f"tandem + {method} ({', '.join(how)})"
+                if chain is None:
+                    entries.append(Row(name, by_concurrency=dict(na), note=why))
+                    continue
+                spec = chain if topk == 1 else {**chain, "topk": topk, "num_draft_tokens": n}
+                add(
+                    name,
+                    lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
+                )
         print("running every system in turn ...", flush=True)
         # The roofline's bandwidth is probed between the batch-1 prompts: the same phase of a
         # machine whose speed drifts as the batch-1 figures it bounds.

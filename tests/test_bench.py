@@ -283,17 +283,26 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
         [
             "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
             "--skip-transformers", "--eagle3", "none", "--disable-by-batch-size", "2",
-            "--result-file", str(result),
+            "--trees", "2:4", "--result-file", str(result),
         ]
     )  # fmt: skip
     assert rc == 0
-    name = f"tandem + mtp (K={K}, off at 2+)"
-    # Its line in the tokens/s table, the vs-tandem table (no transformers baseline) and the
-    # per-step table.
-    assert sum(line.startswith(name + " ") for line in capsys.readouterr().out.splitlines()) == 3
-    row = {r["name"]: r for r in json.loads(result.read_text())["rows"]}[name]
-    assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
-    assert 1.0 <= row["tokens_per_step"] <= K + 1
+    out = capsys.readouterr().out.splitlines()
+    rows = {r["name"]: r for r in json.loads(result.read_text())["rows"]}
+    # The chain, and a draft tree of depth K (--trees).
+    for name in (
+        f"tandem + mtp (K={K}, off at 2+)",
+        f"tandem + mtp (K={K}, topk 2 N 4, off at 2+)",
+    ):
+        # Its line in the tokens/s table, the vs-tandem table (no transformers baseline) and
+        # the per-step table.
+        assert sum(line.startswith(name + " ") for line in out) == 3
+        row = rows[name]
+        assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
+        assert 1.0 <= row["tokens_per_step"] <= K + 1
+    bad = ["bench", "compare", "--quick", "--trees", "2:2", "--result-file", str(result)]
+    assert main(bad) == 2
+    assert "--trees '2:2'" in capsys.readouterr().err
 
 
 def test_compare_rounds_batch1_prompts_and_int8_drafts(
