@@ -351,7 +351,6 @@ class SpeculativeConfig:
             )
         unsupported = {
             "mtp_mode 'vanilla'": self.method == "mtp" and self.mtp_mode == "vanilla",
-            "draft_quantization": self.draft_quantization != "none",
         }
         for what, used in unsupported.items():
             if used:
@@ -494,8 +493,6 @@ class EngineArgs:
                     f"speculative_config.draft_quantization={spec.draft_quantization!r} needs "
                     f"{where}: it serves the CPU decode fast path"
                 )
-        if spec is not None and spec.is_tree:
-            _check_tree_engine(self, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -531,16 +528,3 @@ class EngineArgs:
                 ),
             ),
         )
-
-
-def _check_tree_engine(args: EngineArgs, device: torch.device) -> None:
-    """What draft trees (speculative_config.topk > 1) do not support yet: refused, never
-    silently changed."""
-    unsupported = {
-        "multiple nodes (nnodes > 1)": args.nnodes != 1,
-    }
-    for what, used in unsupported.items():
-        if used:
-            raise ValueError(
-                f"speculative_config.topk > 1 (draft trees) does not support {what} yet"
-            )

@@ -11,7 +11,7 @@ wrong drafts, so equal tokens alone do not show equal drafting):
   greedy ones next to them are unchanged;
 - the same target under plain TP with vanilla MTP (two MTP layers, draft row pick on);
 - a Llama target with an Eagle3 head under plain TP with draft row pick off on both nodes, and
-  under attention DP with LM-head TP with it on.
+  under attention DP with LM-head TP with it on, with a chain and with draft trees.
 
 A speculative configuration, or a draft row-pick switch, that differs on node 1 stops both
 nodes at start-up, naming it."""
@@ -235,13 +235,19 @@ def test_deepseek_moe_vanilla_mtp_under_tp(deepseek: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "row_pick"),
-    [([], False), (ADP, True)],
-    ids=["tp-without-row-pick", "adp-lm-head-tp-with-row-pick"],
+    ("args", "row_pick", "tree"),
+    [([], False, False), (ADP, True, False), (ADP, True, True)],
+    ids=["tp-without-row-pick", "adp-lm-head-tp-with-row-pick", "adp-lm-head-tp-tree"],
 )
-def test_llama_eagle3(llama_eagle3: tuple[Path, Path], args: list[str], row_pick: bool) -> None:
+def test_llama_eagle3(
+    llama_eagle3: tuple[Path, Path], args: list[str], row_pick: bool, tree: bool
+) -> None:
+    """``tree``: draft trees (2 children per node, all 10 nodes verified: depth 3 among them),
+    the per-depth counts included."""
     target, draft = llama_eagle3
     eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    if tree:
+        eagle3 |= {"topk": 2, "num_draft_tokens": 10}
     want = _one_rank(target, eagle3)
     _assert_acceptance_varies(want)
     spec = ["--speculative-config", json.dumps(eagle3)]

@@ -540,18 +540,26 @@ def _dequantized_copy(head: Path, folder: Path, lm_head: torch.Tensor | None) ->
     return folder
 
 
-@pytest.mark.parametrize("with_lm_head", [True, False])
-def test_int8_draft_quantization(models, baseline, tmp_path: Path, with_lm_head: bool) -> None:
+@pytest.mark.parametrize(
+    ("with_lm_head", "tree"),
+    [(True, False), (False, False), (True, True)],
+    ids=["own-lm-head", "borrowed-lm-head", "tree"],
+)
+def test_int8_draft_quantization(
+    models, baseline, tmp_path: Path, with_lm_head: bool, tree: bool
+) -> None:
     """``draft_quantization: "int8"``: the head's matrices (layers, fc, its LM head) reach the
-    CPU fast path as int8 rows; its drafts after every step are those of the same head stored
-    with the dequantized values (rounding aside), the output is the target's, and a borrowed
-    LM head leaves the target's own untouched."""
+    CPU fast path as int8 rows; its drafts after every step (a chain's, or a draft tree's
+    nodes) are those of the same head stored with the dequantized values (rounding aside), the
+    output is the target's, and a borrowed LM head leaves the target's own untouched."""
     from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
         pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
     head = _bf16_eagle3_head(models, tmp_path / "h", with_lm_head)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    if tree:
+        spec |= {"topk": 2, "num_draft_tokens": 6}
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
     runs = []
     borrowed = None

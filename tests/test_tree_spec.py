@@ -21,7 +21,9 @@ from checkpoints import (
     eagle3_tree_spec,
     make_echo_target,
     perfect_eagle3_draft,
+    random_eagle3_head,
     scale_residual_writes,
+    write_eagle3_layout,
     zero_residual_writes,
 )
 from tandem import LLM, SamplingParams
@@ -155,6 +157,27 @@ def test_random_head_tree_contains_the_chain_drafts(models, tmp_path: Path) -> N
     assert k in depths  # some first tree keeps the whole chain (all four do today)
 
 
+def test_multi_layer_head_trees(models, baseline, tmp_path: Path) -> None:
+    """A two-layer Eagle3 head (``layers.{i}``; the later layer attends with the tree mask over
+    its own draft KV): greedy output unchanged, and the top-1 path through each first tree is
+    the chain decoder's drafts from the same state."""
+    state, cfg = random_eagle3_head(models["target"], layers=2, draft_vocab=160, seed=11)
+    head = write_eagle3_layout(tmp_path / "two", state, cfg, "layers")
+    k, topk = 3, 2
+    chain = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    tree = {**chain, "topk": topk, "num_draft_tokens": max_tree_nodes(k, topk)}
+    params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    with LLM(str(models["target"]), speculative_config=chain) as llm:
+        chain_first = _first_drafts(llm, PROMPTS)
+    with LLM(str(models["target"]), speculative_config=tree) as llm:
+        assert len(llm.engine.executor.worker.runner.spec.draft.layers) == 2
+        tree_first = _first_drafts(llm, PROMPTS)
+        assert _tokens(llm.generate(PROMPTS, params)) == baseline
+    for rid, (drafts, _) in chain_first.items():
+        path = _top1_path(*tree_first[rid])
+        assert len(path) >= 2 and path == drafts[: len(path)], (rid, path, drafts)
+
+
 def test_tree_contains_the_chain_drafts(tmp_path: Path) -> None:
     """Draft side: the head's top-1 path through the tree is exactly the chain decoder's drafts
     from the same state (a near-perfect head whose attention and MLP matter, so a wrong tree
@@ -228,7 +251,6 @@ def test_tree_configuration_errors(models) -> None:
         ({"topk": 2, "num_draft_tokens": 2}, r"must be >= num_speculative_tokens"),
         ({"topk": 2, "num_draft_tokens": 11}, r"must be <= 10"),
         ({"topk": 1, "num_draft_tokens": 4}, r"must be <= 3"),
-        ({"topk": 2, "num_draft_tokens": 4, "draft_quantization": "int8"}, "draft_quantization"),
     ):
         with pytest.raises(ValueError, match=why):
             LLM(t, speculative_config={**base, **extra})
