@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, zero_residual_writes
 from graph_checks import GREEDY as GRAPH_GREEDY
-from graph_checks import MIXED, check_adp_dummy, check_variant, make_worker, spec_config
+from graph_checks import (
+    MIXED,
+    build_graph_models,
+    check_adp_dummy,
+    check_variant,
+    make_worker,
+    spec_config,
+)
 from tandem import LLM, EngineArgs, LLMEngine, SamplingParams
 from tandem.engine.cuda_graph import ADVANCED, SAMPLED, GraphKey, dummy_kv_tokens
 from tandem.engine.cuda_graph import GREEDY as GRAPH_GREEDY_VARIANT
@@ -50,7 +57,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     zero_residual_writes(perfect)
     add_mtp_layers(perfect, 1, perfect=True)
     small = build_llama(root / "small-vocab", layers=2, vocab_size=12, init_std=0.15)
+    # The near-echo pair of the draft-tree graph checks (tree nodes are accepted).
+    echo = {k: v for k, v in build_graph_models(root / "graphs").items() if k.startswith("echo")}
     return {
+        **echo,
         "target": target,
         "vanilla": vanilla,
         "eagle3": build_eagle3_draft(root / "eagle3", target, draft_vocab=160),
@@ -80,10 +90,25 @@ def _spec(models: dict[str, Path], method: str) -> dict | None:
         "eagle3": {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": 3},
         "mtp-eagle": {"method": "mtp", "num_speculative_tokens": 3},
         "mtp-vanilla": {"method": "mtp", "mtp_mode": "vanilla", "num_speculative_tokens": 3},
+        "eagle3-tree": {
+            "method": "eagle3",
+            "model": str(models["eagle3"]),
+            "num_speculative_tokens": 3,
+            "topk": 2,
+            "num_draft_tokens": 6,
+        },
+        "mtp-tree": {
+            "method": "mtp",
+            "num_speculative_tokens": 3,
+            "topk": 4,
+            "num_draft_tokens": 8,
+        },
     }[method]
 
 
-@pytest.mark.parametrize("method", ["none", "eagle3", "mtp-eagle", "mtp-vanilla"])
+@pytest.mark.parametrize(
+    "method", ["none", "eagle3", "mtp-eagle", "mtp-vanilla", "eagle3-tree", "mtp-tree"]
+)
 def test_cuda_greedy_equals_cpu_greedy(models, cpu_greedy, method: str) -> None:
     target = "vanilla" if method == "mtp-vanilla" else "target"
     # A 16-token budget splits the 50-token prompt into chunks that share steps with decodes.
@@ -190,7 +215,10 @@ def test_one_rank_nccl_group_runs_the_tensor_parallel_path(models, cpu_greedy, m
 
 def _graph_worker(models: dict[str, Path], method: str, **kw: Any) -> Any:
     target = models["vanilla" if method == "mtp-vanilla" else "target"]
-    worker = make_worker(target, spec_config(method, models["eagle3"]), DEVICE, **kw)
+    draft = models["eagle3"]
+    if method.endswith("-tree"):  # draft trees: the near-echo pair (nodes are accepted)
+        target, draft = models["echo"], models["echo_eagle3"]
+    worker = make_worker(target, spec_config(method, draft), DEVICE, **kw)
     graphs = worker.runner.graph_runner
     assert graphs is not None and graphs.use_cuda
     for captured in graphs.graphs.values():  # real graphs, not the static fallback
@@ -200,7 +228,9 @@ def _graph_worker(models: dict[str, Path], method: str, **kw: Any) -> Any:
     return worker
 
 
-@pytest.mark.parametrize("method", ["none", "mtp-eagle", "eagle3", "mtp-vanilla"])
+@pytest.mark.parametrize(
+    "method", ["none", "mtp-eagle", "eagle3", "mtp-vanilla", "eagle3-tree", "mtp-tree"]
+)
 def test_cuda_graph_replay_equals_eager(models, method: str) -> None:
     """For every graph key (padded batch size, draft length, sampling variant): replaying the
     captured target forward plus draft loop gives what eager execution gives, padding rows
