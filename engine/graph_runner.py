@@ -9,6 +9,11 @@ For every ``GraphKey`` (padded batch size, draft length, sampling variant) start
   result (accepted counts, emitted tokens = the step-0 gather ids), the draft hidden input, and
   for the advanced variant the sampling buffers and pre-drawn noise → next drafts and q.
 
+Draft trees (``TreeDecoder``): the target segment reads the verify rows' tree positions and
+attention words from static buffers; the draft segment is ``TreeDecoder.next_tree`` (the accepted
+paths come in through a static buffer, the next trees' tokens and shapes go out as static
+outputs), one segment for both sampling variants (tree drafts are never sampled).
+
 Verification between the two runs eagerly (it reads per-request generators and stored q), and so
 do prefill / mixed steps, steps past the largest bucket and steps with drafts cut short. A step
 replays by copying its live tensors into the static buffers (the graph padding's rows are dummy
