@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.structured_output import GrammarCompiler, StructuredOutputError
+from tandem.engine.structured_output import GrammarCompiler
 
 
 class ContextLengthExceededError(ValueError):
@@ -28,10 +28,8 @@ class InputProcessor:
         num_blocks: int,
         lookahead: int = 0,
         speculative: bool = False,
-        draft_trees: bool = False,
     ) -> None:
         self.lookahead = lookahead
-        self.draft_trees = draft_trees
         self.speculative = speculative
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -57,12 +55,6 @@ class InputProcessor:
         spec = params.structured
         if spec is None:
             return
-        if self.draft_trees:
-            raise StructuredOutputError(
-                "is not supported with draft trees (speculative_config.topk > 1) on this "
-                "server yet",
-                spec.param,
-            )
         if self._grammars is None:
             if self._make_grammars is not None:
                 self._grammars = self._make_grammars()

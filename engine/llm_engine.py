@@ -109,7 +109,6 @@ class LLMEngine:
             num_blocks,
             lookahead=lookahead,
             speculative=sc is not None,
-            draft_trees=sc is not None and sc.is_tree,
         )
         self.detok: dict[str, Detokenizer] = {}
         # The requests the current (or last) step scheduled; None until it has scheduled. The
@@ -231,6 +230,7 @@ class LLMEngine:
             # Masked drafting: each rank syncs its own matcher to the output tokens (matchers
             # cannot travel between processes); see engine/speculative/draft_grammar.py.
             grammar = bitmask is not None and propose_drafts and self.num_spec_tokens > 0
+            grammar &= not self.tree_drafts  # draft trees are not masked
             pen = sample and r.params.uses_penalties
             end = s.start + s.num_new_tokens - s.num_drafts
             tokens = r.all_token_ids[s.start : end]
@@ -339,13 +339,15 @@ class LLMEngine:
                 )
                 if self.tree_drafts:
                     # Tree nodes are ordered by depth, not along one path: keep the whole tree
-                    # and let verification skip the nodes deeper than the room left.
+                    # and let verification skip the nodes deeper than the room left (and, for a
+                    # constrained request, never accept a node its grammar forbids).
                     drafts = result.draft_token_ids[i] if room > 0 else []
                     request.spec_max_depth = room
+                    request.spec_parents = result.draft_parents[i] if drafts else []
                 else:
                     drafts = result.draft_token_ids[i][: max(0, room)]
-                if drafts and self.structured.is_constrained(rid):
-                    drafts = self._grammar_drafts(request, drafts)
+                    if drafts and self.structured.is_constrained(rid):
+                        drafts = self._grammar_drafts(request, drafts)
                 request.spec_token_ids = drafts
             outputs.append(self._make_output(request))
             if status is not None:
@@ -377,7 +379,15 @@ class LLMEngine:
             for s in sched.scheduled
             if s.request.request_id in ids
         }
-        return self.structured.masks(ids, self.bitmask_width, drafts)
+        parents = None
+        if self.tree_drafts:  # one mask per tree node: the state after the node's path
+            parents = {
+                s.request.request_id: s.request.spec_parents[: s.num_drafts]
+                for sched in scheds
+                for s in sched.scheduled
+                if s.request.request_id in ids
+            }
+        return self.structured.masks(ids, self.bitmask_width, drafts, parents)
 
     def _grammar_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """The drafts of a constrained request worth verifying. A draft the grammar forbids is

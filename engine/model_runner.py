@@ -534,7 +534,9 @@ class ModelRunner:
             args = (inp, inp.input_ids, inp.positions, inp.meta, draft_hidden, inp.next_tokens)
             args += (layout, num_accepted, tokens, st, meta, request_ids)
             masker = None
-            if self.grammars is not None:
+            if self.grammars is not None and not isinstance(spec, TreeDecoder):
+                # (Draft trees are not masked: verification rejects the nodes a grammar
+                # forbids.)
                 masker = self.grammars.masker(inp.sampled, num_accepted, tokens)
             if masker is None:
                 propose = spec.propose if replay is None else replay.propose
@@ -546,6 +548,11 @@ class ModelRunner:
                     new_drafts = spec.propose(*args, draft_mask=masker)
                 finally:
                     masker.close()
+        n_new = new_drafts.shape[1]
+        if isinstance(spec, TreeDecoder) and n_new:
+            # Draft trees: the nodes' parents travel with their tokens (constrained requests'
+            # grammar masks follow each node's path).
+            new_drafts = torch.cat([new_drafts, spec.last_parents.to(new_drafts.dtype)], dim=1)
         lp = None
         if st.max_num_logprobs > 0:
             full = widen_columns(logits, k1).reshape(b * k1, -1)
@@ -576,5 +583,6 @@ class ModelRunner:
             [toks[i][: acc[i] + 1] for i in range(b)],
             logprobs,
             num_drafts=[r.num_drafts for r in inp.sampled],
-            draft_token_ids=drafts,
+            draft_token_ids=[row[:n_new] for row in drafts],
+            draft_parents=[row[n_new:] for row in drafts] if n_new < len(drafts[0]) else [],
         )

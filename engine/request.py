@@ -111,6 +111,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    spec_parents: list[int] = field(default_factory=list)  # draft trees: each draft's parent
     spec_max_depth: int = 0  # draft trees: the deepest of those nodes worth verifying
     spec_stats: SpecStats | None = None
 

@@ -63,6 +63,9 @@ class StepOutput:
     logprobs: list[list[TokenLogprobs] | None]
     num_drafts: list[int] = field(default_factory=list)  # drafts verified per request
     draft_token_ids: list[list[int]] = field(default_factory=list)  # proposals for next step
+    # Draft trees: each proposal's parents (index of its parent node, -1: the root), for the
+    # grammar masks of constrained requests' tree nodes.
+    draft_parents: list[list[int]] = field(default_factory=list)
     # Attention DP: per rank (rank order once merged), whether the draft loop sampled
     # (advanced) and the step's graph key (None: eager).
     rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
@@ -117,6 +120,7 @@ def drop_dummy(out: StepOutput) -> StepOutput:
         [out.logprobs[i] for i in keep],
         [out.num_drafts[i] for i in keep] if out.num_drafts else [],
         [out.draft_token_ids[i] for i in keep] if out.draft_token_ids else [],
+        [out.draft_parents[i] for i in keep] if out.draft_parents else [],
         out.rank_paths,
     )
 
@@ -130,6 +134,7 @@ def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
         merged.logprobs += o.logprobs
         merged.num_drafts += o.num_drafts
         merged.draft_token_ids += o.draft_token_ids
+        merged.draft_parents += o.draft_parents
         merged.rank_paths += o.rank_paths
     return merged
 

@@ -302,7 +302,11 @@ class StructuredOutputManager:
         return request_id in self.matchers
 
     def masks(
-        self, request_ids: list[str], width: int, drafts: dict[str, list[int]] | None = None
+        self,
+        request_ids: list[str],
+        width: int,
+        drafts: dict[str, list[int]] | None = None,
+        parents: dict[str, list[int]] | None = None,
     ) -> StepMasks:
         """The next-token bitmask of each request (all of them constrained).
 
@@ -315,6 +319,10 @@ class StructuredOutputManager:
         allows nothing (a dead end after the drafts) is all ones too: if it is reached, the token
         emitted there fails the request, as the dead end would without speculation. Only row 0
         decides ``dead``.
+
+        ``parents`` (draft trees: each draft node's parent, -1 for the root's children): row
+        j + 1 is the state after the path from the root to node j instead (all ones when the
+        grammar forbids a token on that path: the node is never accepted).
         """
         import llguidance
         import llguidance.torch
@@ -334,6 +342,10 @@ class StructuredOutputManager:
         # consumes its draft ``depth``; ``consumed[i]`` is how far request i went.
         consumed = [0] * len(request_ids)
         live = list(range(len(request_ids)))
+        if parents is not None:  # trees: row 0 here, the nodes' rows below
+            lens_chain = [0] * len(request_ids)
+        else:
+            lens_chain = lens
         depth = 0
         while live:
             llguidance.torch.fill_next_token_bitmask_par(
@@ -341,18 +353,25 @@ class StructuredOutputManager:
             )
             nxt = []
             for i in live:
-                if depth < lens[i] and not matchers[i].is_stopped():
+                if depth < lens_chain[i] and not matchers[i].is_stopped():
                     if matchers[i].try_consume_tokens([ahead[i][depth]]) == 1:
                         consumed[i] += 1
                         nxt.append(i)
             live = nxt
             depth += 1
+        # Row j + 1 is valid when draft j's path was consumed.
+        valid = [[j < consumed[i] for j in range(lens[i])] for i in range(len(request_ids))]
+        for i, rid in enumerate(request_ids):
+            if consumed[i]:
+                matchers[i].rollback(consumed[i])
+            if parents is not None and lens[i] and not matchers[i].is_error():
+                valid[i] = _fill_tree_rows(
+                    matchers[i], ahead[i], parents[rid], bitmask, offsets[i] + 1
+                )
         out = StepMasks({}, {})
         allowed = bitmask.ne(0).any(dim=1).tolist()
         for i, rid in enumerate(request_ids):
             m = matchers[i]
-            if consumed[i]:
-                m.rollback(consumed[i])
             lo = offsets[i]
             if m.is_error() or not allowed[lo]:
                 out.dead[rid] = (
@@ -361,7 +380,7 @@ class StructuredOutputManager:
                 )
                 continue
             for j in range(1, lens[i] + 1):
-                if j > consumed[i] or not allowed[lo + j]:
+                if not valid[i][j - 1] or not allowed[lo + j]:
                     bitmask[lo + j] = -1
             rows = bitmask[lo : offsets[i + 1]]
             out.masks[rid] = rows.clone() if drafts is not None else rows[0].clone()
@@ -392,3 +411,27 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill_tree_rows(
+    matcher: Any, tokens: list[int], parents: list[int], bitmask: Any, row: int
+) -> list[bool]:
+    """Draft-tree masks: ``bitmask[row + j]`` is the grammar's state after the path from the
+    root to node j (its ancestors' tokens, then its own; parents precede their children).
+    Returns which nodes' paths the grammar accepts; the matcher ends as it began."""
+    import llguidance.torch
+
+    valid = []
+    for j in range(len(tokens)):
+        path, node = [], j
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        path.reverse()
+        n = 0 if matcher.is_stopped() else matcher.try_consume_tokens(path)
+        valid.append(n == len(path))
+        if valid[-1]:
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row + j)
+        if n:
+            matcher.rollback(n)
+    return valid

@@ -178,6 +178,34 @@ def test_vanilla_mtp_greedy_equals_constrained_greedy(models: dict[str, Path]) -
                 check(grammar, o.outputs[0].text)
 
 
+@pytest.mark.parametrize("name", ["eagle3-near", "mtp-perfect", "eagle3-random"])
+def test_draft_trees_under_a_grammar(
+    models: dict[str, Path], baseline: dict[tuple[str, str], list[list[int]]], name: str
+) -> None:
+    """Draft trees (2 children per node, 6 nodes; each node's target row masked by the
+    grammar's state after the node's path, nodes the grammar forbids never accepted): greedy
+    output equals constrained greedy without speculation, nodes are accepted under the
+    near-perfect heads (few: tree drafting is not masked by the grammar), and seeded sampled
+    outputs match the grammar."""
+    target, spec = setup(models, name, 3)
+    spec |= {"topk": 2, "num_draft_tokens": 6}
+    with LLM(str(target), speculative_config=spec, max_num_batched_tokens=32) as llm:
+        for grammar, structured in GRAMMARS.items():
+            outs = llm.generate(PROMPTS, greedy(grammar))
+            assert tokens(outs) == baseline[target.name, grammar], grammar
+            hot = [
+                SamplingParams(temperature=1.0, seed=s, max_tokens=150, structured=structured)
+                for s in range(8)
+            ]
+            for o in llm.generate([PROMPTS[s % len(PROMPTS)] for s in range(8)], hot):
+                assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+                check(grammar, o.outputs[0].text)
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_draft_tokens > 0 and not llm.engine.structured.matchers
+    if "random" not in name:
+        assert stats.spec_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("name", SETUPS)
 def test_sampled_outputs_match_the_grammar(models: dict[str, Path], name: str) -> None:
     target, spec = setup(models, name, 3)
@@ -260,14 +288,16 @@ def test_forbidden_drafts_are_not_verified(models: dict[str, Path]) -> None:
         verified: list[bool] = []
         kept: list[tuple[int, list[int]]] = []
 
-        def masks(ids: list[str], width: int, drafts: dict[str, list[int]] | None = None) -> Any:
-            assert drafts is not None
+        def masks(
+            ids: list[str], width: int, drafts: dict[str, list[int]] | None = None, parents=None
+        ) -> Any:
+            assert drafts is not None and parents is None
             for rid, ds in drafts.items():
                 m = engine.structured.matchers[rid]
                 n = m.validate_tokens(ds)
                 verified.append(n == len(ds))
                 kept.append((n, ds))
-            return real_masks(ids, width, drafts)
+            return real_masks(ids, width, drafts, parents)
 
         engine.structured.masks = masks  # type: ignore[method-assign]
         outs = llm.generate(PROMPTS, greedy("regex"))

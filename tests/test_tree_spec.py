@@ -28,7 +28,6 @@ from checkpoints import (
 )
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.tree import max_tree_nodes
-from tandem.engine.structured_output import StructuredSpec
 
 # The 50-token prompt runs in chunks (chunked prefill next to decodes) under a small budget.
 PROMPTS = [[5, 6, 7], list(range(40, 90)), [100, 101], list(range(120, 139))]
@@ -264,10 +263,6 @@ def test_tree_configuration_errors(models) -> None:
                 "num_draft_tokens": 4,
             },
         )
-    tree = {**base, "topk": 2, "num_draft_tokens": 4}
-    with LLM(t, speculative_config=tree) as llm:
-        with pytest.raises(ValueError, match="not supported with draft trees"):
-            llm.generate([[1, 2]], SamplingParams(structured=StructuredSpec("regex", "a+")))
 
 
 def _pair_counts(

@@ -120,6 +120,7 @@ class TreeDecoder(SpecDecoder):
         # request id → its next tree's (parents [N], depths [N], words [N + 1]) on the device.
         self.shapes: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
         self._path: Tensor | None = None  # [B, D] this step's accepted path (verify → propose)
+        self.last_parents = torch.empty(0, self.k, dtype=torch.int64)  # the last trees' parents
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)
@@ -307,6 +308,7 @@ class TreeDecoder(SpecDecoder):
         self.forget(request_ids)
         for i, rid in enumerate(request_ids):
             self.shapes[rid] = (parents[i], depths[i], words[i])
+        self.last_parents = parents
 
     def next_tree(
         self,
