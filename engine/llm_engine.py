@@ -230,7 +230,6 @@ class LLMEngine:
             # Masked drafting: each rank syncs its own matcher to the output tokens (matchers
             # cannot travel between processes); see engine/speculative/draft_grammar.py.
             grammar = bitmask is not None and propose_drafts and self.num_spec_tokens > 0
-            grammar &= not self.tree_drafts  # draft trees are not masked
             pen = sample and r.params.uses_penalties
             end = s.start + s.num_new_tokens - s.num_drafts
             tokens = r.all_token_ids[s.start : end]

@@ -534,9 +534,7 @@ class ModelRunner:
             args = (inp, inp.input_ids, inp.positions, inp.meta, draft_hidden, inp.next_tokens)
             args += (layout, num_accepted, tokens, st, meta, request_ids)
             masker = None
-            if self.grammars is not None and not isinstance(spec, TreeDecoder):
-                # (Draft trees are not masked: verification rejects the nodes a grammar
-                # forbids.)
+            if self.grammars is not None:
                 masker = self.grammars.masker(inp.sampled, num_accepted, tokens)
             if masker is None:
                 propose = spec.propose if replay is None else replay.propose

@@ -182,15 +182,23 @@ def test_vanilla_mtp_greedy_equals_constrained_greedy(models: dict[str, Path]) -
 def test_draft_trees_under_a_grammar(
     models: dict[str, Path], baseline: dict[tuple[str, str], list[list[int]]], name: str
 ) -> None:
-    """Draft trees (2 children per node, 6 nodes; each node's target row masked by the
-    grammar's state after the node's path, nodes the grammar forbids never accepted): greedy
-    output equals constrained greedy without speculation, nodes are accepted under the
-    near-perfect heads (few: tree drafting is not masked by the grammar), and seeded sampled
-    outputs match the grammar."""
+    """Draft trees (2 children per node, 6 nodes) under a grammar: each node's target row is
+    masked by the grammar's state after the node's path, and each node's children are the
+    top-k tokens the grammar allows there. Greedy output equals constrained greedy without
+    speculation; seeded sampled outputs match the grammar; every node drafted is allowed after
+    its path (but where the grammar leaves the head's vocabulary nothing); the near-perfect
+    heads accept more than one token per step."""
     target, spec = setup(models, name, 3)
     spec |= {"topk": 2, "num_draft_tokens": 6}
     with LLM(str(target), speculative_config=spec, max_num_batched_tokens=32) as llm:
+        compiler = llm.engine.structured.compiler
+        vocab = int(compiler.ll_tokenizer.vocab_size)
+        d2t = getattr(llm.engine.executor.worker.runner.spec.draft, "d2t", None)
+        head_vocab = set(range(vocab)) if d2t is None else {i + int(d) for i, d in enumerate(d2t)}
+        steps = record_steps(llm)
+        checked = 0
         for grammar, structured in GRAMMARS.items():
+            steps.clear()
             outs = llm.generate(PROMPTS, greedy(grammar))
             assert tokens(outs) == baseline[target.name, grammar], grammar
             hot = [
@@ -200,10 +208,45 @@ def test_draft_trees_under_a_grammar(
             for o in llm.generate([PROMPTS[s % len(PROMPTS)] for s in range(8)], hot):
                 assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
                 check(grammar, o.outputs[0].text)
+            checked += _check_tree_drafts(steps, compiler.matcher(structured), vocab, head_vocab)
         stats = llm.engine.get_stats()
         assert stats.spec_num_draft_tokens > 0 and not llm.engine.structured.matchers
+    assert checked > 50, checked
     if "random" not in name:
-        assert stats.spec_num_accepted_tokens > 0
+        assert stats.spec_num_accepted_tokens > stats.spec_num_drafts
+
+
+def _check_tree_drafts(
+    steps: list[Any], matcher: Any, vocab: int, head_vocab: set[int], topk: int = 2
+) -> int:
+    """Every tree node of ``steps`` (``record_steps``, parents included) is allowed after the
+    request's output and the node's path, or the grammar allows fewer than ``topk`` tokens of
+    the head's vocabulary where the node's parent path leaves it (none: an unmasked fallback;
+    some: the other children are -inf placeholders); returns the nodes checked."""
+    emitted: dict[str, list[int]] = {}
+    checked = 0
+    for rid, toks, drafts, parents in steps:
+        emitted.setdefault(rid, []).extend(toks)
+        matcher.reset()
+        if matcher.try_consume_tokens(emitted[rid]) < len(emitted[rid]) or matcher.is_stopped():
+            continue  # the request finished with this step
+        for j in range(len(drafts)):
+            path, node = [], j
+            while node >= 0:
+                path.append(drafts[node])
+                node = parents[node]
+            path.reverse()
+            n = matcher.try_consume_tokens(path[:-1])
+            stopped = n < len(path) - 1 or matcher.is_stopped()  # an ancestor's fallback or end
+            if not stopped:
+                if matcher.try_consume_tokens(path[-1:]):
+                    n += 1
+                    checked += 1
+                else:  # fewer allowed head tokens than children: -inf placeholders
+                    assert len(set(_allowed(matcher, vocab)) & head_vocab) < topk, (rid, path)
+            if n:
+                matcher.rollback(n)
+    return checked
 
 
 @pytest.mark.parametrize("name", SETUPS)
@@ -356,16 +399,22 @@ def test_distribution_equals_constrained_sampling_without_speculation(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lm_head_tp", [False, True])
+@pytest.mark.parametrize(
+    ("lm_head_tp", "tree"), [(False, False), (True, False), (True, True)], ids=str
+)
 def test_attention_dp_masks_each_ranks_requests(
     models: dict[str, Path],
     baseline: dict[tuple[str, str], list[list[int]]],
     lm_head_tp: bool,
+    tree: bool,
 ) -> None:
-    """ADP = 2 (with and without LM-head TP, whose draft path is group-synced on greedy): each
-    rank masks the requests it runs; greedy equals constrained greedy on one rank without
-    speculation, and sampled requests in the same steps match the grammar."""
+    """ADP = 2 (with and without LM-head TP, whose draft path is group-synced on greedy; and
+    with draft trees): each rank masks the requests it runs; greedy equals constrained greedy
+    on one rank without speculation, and sampled requests in the same steps match the
+    grammar."""
     target, spec = setup(models, "mtp-perfect", 3)
+    if tree:
+        spec |= {"topk": 2, "num_draft_tokens": 6}
     with LLM(
         str(target),
         speculative_config=spec,
@@ -383,18 +432,21 @@ def test_attention_dp_masks_each_ranks_requests(
                 check(grammar, o.outputs[0].text)
 
 
-def record_steps(llm: LLM) -> list[tuple[str, list[int], list[int]]]:
+def record_steps(llm: LLM) -> list[Any]:
     """Wrap the engine's executor: every step appends (request id, tokens it emitted, drafts it
-    proposed for the next step) per sampled request, the drafts raw (before the engine cuts
-    them)."""
+    proposed for the next step[, their parents: draft trees]) per sampled request, the drafts
+    raw (before the engine cuts them)."""
     executor = llm.engine.executor
     real = executor.execute
-    seen: list[tuple[str, list[int], list[int]]] = []
+    seen: list[Any] = []
 
     def execute(step: Any) -> Any:
         out = real(step)
         for i, rid in enumerate(out.request_ids):
-            seen.append((rid, list(out.token_ids[i]), list(out.draft_token_ids[i])))
+            row = (rid, list(out.token_ids[i]), list(out.draft_token_ids[i]))
+            if out.draft_parents:  # draft trees: each draft's parent too
+                row += (list(out.draft_parents[i]),)
+            seen.append(row)
         return out
 
     executor.execute = execute  # type: ignore[method-assign]

@@ -387,13 +387,8 @@ class SpecDecoder:
         (its draft is then cut or rejected like any forbidden one)."""
         vocab = int(self.draft.config.vocab_size)
         if not advanced:
-            if mask is not None:  # masked in the draft vocabulary (no [B, V] scatter)
-                allowed = token_bitmask_allowed(mask, vocab)  # [B, V]
-                index = self._draft_vocab_index(logits.shape[-1])
-                if index is not None:
-                    allowed = allowed[:, index]  # [B, draft V]
-                allowed |= ~allowed.any(dim=-1, keepdim=True)
-                logits = torch.where(allowed, logits, float("-inf"))
+            if mask is not None:
+                logits = self.mask_draft_logits(logits, mask)
             return self.draft.to_target_ids(cpu_decode.argmax(logits)), None
         full = self._to_target_vocab(logits)  # [B, V] target vocabulary
         if mask is not None:
@@ -402,6 +397,17 @@ class SpecDecoder:
             full = torch.where(allowed, full, float("-inf"))
         q = probs_for_rows(full, st)
         return sample_rows(q, st.generators, noise), q
+
+    def mask_draft_logits(self, logits: Tensor, mask: Tensor) -> Tensor:
+        """Draft-vocabulary logits [R, draft V] with the tokens a grammar bitmask [R, W] (target
+        vocabulary) forbids at -inf, in the draft vocabulary (no [R, V] scatter); a row it
+        leaves no draft token keeps its logits (its draft is then cut or rejected)."""
+        allowed = token_bitmask_allowed(mask, int(self.draft.config.vocab_size))  # [R, V]
+        index = self._draft_vocab_index(logits.shape[-1])
+        if index is not None:
+            allowed = allowed[:, index]  # [R, draft V]
+        allowed |= ~allowed.any(dim=-1, keepdim=True)
+        return torch.where(allowed, logits, float("-inf"))
 
     def _to_target_vocab(self, logits: Tensor) -> Tensor:
         """Scatter draft-vocabulary logits to target positions ``arange(draft_V) + d2t``."""

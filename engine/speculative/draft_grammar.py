@@ -162,6 +162,26 @@ class DraftMasker:
                     del self.live[i]
         return bitmask.to(self.tokens.device, non_blocking=True)
 
+    def node_masks(self, paths: list[list[list[int]]]) -> Tensor:
+        """Draft trees: ``paths[i][f]``, the tokens from row i's new root to its frontier node f
+        (after the emitted tokens ``self(0, [])`` fed) -> [B * F, W] bitmask of each node's
+        children: the grammar's state after the node's path (all ones where the row is not
+        masked, or the grammar does not allow the path). The matchers end as they began."""
+        import llguidance.torch
+
+        f = len(paths[0]) if paths else 0
+        bitmask = torch.full((self.batch_size * f, self.width), -1, dtype=torch.int32)
+        for i, m in self.live.items():
+            for node, path in enumerate(paths[i]):
+                n = m.try_consume_tokens(path) if not m.is_stopped() else 0
+                if n == len(path) and not m.is_stopped():
+                    llguidance.torch.fill_next_token_bitmask(m, bitmask, i * f + node)
+                    if not bitmask[i * f + node].ne(0).any():  # a dead end: left unmasked
+                        bitmask[i * f + node] = -1
+                if n:
+                    m.rollback(n)
+        return bitmask.to(self.tokens.device, non_blocking=True)
+
     def close(self) -> None:
         """Roll the matchers back to the request's output tokens."""
         for i, n in self.fed.items():

@@ -41,6 +41,7 @@ from tandem.engine.speculative.decoder import (
     uniform_noise,
     widen_columns,
 )
+from tandem.engine.speculative.draft_grammar import DraftMasker
 from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
 from tandem.engine.speculative.tree import (
     DraftTree,
@@ -292,11 +293,14 @@ class TreeDecoder(SpecDecoder):
         st: SamplingTensors,
         meta: SpecMetadata,
         request_ids: list[str],
+        draft_mask: DraftMasker | None = None,
     ) -> Tensor:
         """Draft every sampled request's next tree; returns its tokens [B, N] (target
-        vocabulary, tree order) and keeps its shape for the next step's verification."""
+        vocabulary, tree order) and keeps its shape for the next step's verification.
+        ``draft_mask`` (structured output): each node's children are the top-k tokens its
+        grammar allows after the node's path."""
         rows = (input_ids, positions, target_meta, draft_hidden, next_tokens, layout)
-        tree = self.next_tree(*rows, num_accepted, tokens, self.path)
+        tree = self.next_tree(*rows, num_accepted, tokens, self.path, draft_mask)
         self.keep_shapes(request_ids, *tree[1:])
         return tree[0]
 
@@ -321,10 +325,12 @@ class TreeDecoder(SpecDecoder):
         num_accepted: Tensor,
         tokens: Tensor,
         path: Tensor,
+        masker: DraftMasker | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The next trees from this step's rows: (tokens, parents, depths [B, N], attention
         words [B, N + 1]). Device work only, no host reads and no state kept: what a CUDA graph
-        captures (``path``: this step's accepted paths, a static buffer there)."""
+        captures (``path``: this step's accepted paths, a static buffer there). ``masker``
+        (eager steps with constrained requests only): grammar masks, read on the host."""
         order = self._chain_order(layout, num_accepted, input_ids.shape[0], path)
         last_rows = target_meta.query_start_loc[1:].long() - 1
         step_tokens, gather_ids = build_draft_step0_inputs(
@@ -340,7 +346,7 @@ class TreeDecoder(SpecDecoder):
             hidden = hidden[gather_ids]
         root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
         picked = target_meta.all_rank_num_picked  # attention DP: every rank's sampled rows
-        tree = self.draft_tree(hidden, root_pos, layout, picked)
+        tree = self.draft_tree(hidden, root_pos, layout, picked, masker)
         words = tree_attention_words(tree.ancestors)
         return tree.tokens, tree.parents, tree.depths, words
 
@@ -361,14 +367,17 @@ class TreeDecoder(SpecDecoder):
         root_pos: Tensor,
         layout: VerifyLayout,
         all_rank_num_picked: list[int] | None = None,
+        masker: DraftMasker | None = None,
     ) -> DraftTree:
         """The tree below each new root: hidden [B, H] is draft step 0's output at the row of
         the last accepted token (whose input token is the root's). ``all_rank_num_picked``:
         every rank's request count under attention DP (the draft MLP gathers every rank's
-        frontier rows)."""
+        frontier rows). ``masker``: children masked by the grammar after each node's path."""
         k = self.topk
         b, h = hidden.shape
-        level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1))
+        mask = None if masker is None else masker(0, [])  # feeds the emitted tokens
+        level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1, mask))
+        paths: list[list[list[int]]] = [[[]] for _ in range(b)]  # host: frontier node paths
         levels = [level]
         rows: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # per depth: tok, hid, word, pos
         bits = torch.arange(k, device=hidden.device)
@@ -378,6 +387,11 @@ class TreeDecoder(SpecDecoder):
             ids, scores = select_frontier(level, k)  # [B, k] into the level's candidates
             parent = ids // k if depth > 1 else torch.zeros_like(ids)
             tok = level.tokens.gather(1, ids)
+            mask = None
+            if masker is not None:  # host read: the new frontier's paths
+                par, toks = parent.tolist(), tok.tolist()
+                paths = [[paths[i][par[i][f]] + [toks[i][f]] for f in range(k)] for i in range(b)]
+                mask = masker.node_masks(paths)
             hid = out.gather(1, parent[..., None].expand(b, k, h))
             words = words.gather(1, parent) | (1 << ((depth - 1) * k + bits))
             pos = (root_pos + depth - 1)[:, None].expand(b, k)
@@ -388,7 +402,7 @@ class TreeDecoder(SpecDecoder):
             out = self.frontier_forward(
                 layout, root_pos, tok_all, hid_all, word_all, pos_all, all_rank_num_picked
             )
-            level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k))
+            level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k, mask))
             levels.append(level)
         return build_tree(levels, self.k)
 
@@ -420,10 +434,15 @@ class TreeDecoder(SpecDecoder):
         pick = (torch.arange(b, device=hidden.device)[:, None] * r + last).reshape(-1)
         return self.draft(*args, pick_rows=pick).view(b, k, h)
 
-    def _children(self, hidden: Tensor, b: int, f: int) -> tuple[Tensor, Tensor]:
+    def _children(
+        self, hidden: Tensor, b: int, f: int, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Top-k children of ``b * f`` nodes: (tokens, log-probabilities) [B, F, topk], best
-        first, tokens in the target vocabulary."""
+        first, tokens in the target vocabulary. ``mask`` [B * F, W]: a grammar bitmask over the
+        target vocabulary (a node it leaves no draft token keeps its unmasked logits)."""
         logits = self.draft.compute_logits(0, hidden).float()
+        if mask is not None:
+            logits = self.mask_draft_logits(logits, mask)
         logprobs, ids = logits.log_softmax(dim=-1).topk(self.topk, dim=-1)
         tokens = self.draft.to_target_ids(ids)
         return tokens.view(b, f, self.topk), logprobs.view(b, f, self.topk)
