@@ -421,13 +421,11 @@ def _fill_tree_rows(
     Returns which nodes' paths the grammar accepts; the matcher ends as it began."""
     import llguidance.torch
 
+    from tandem.engine.speculative.tree import node_path
+
     valid = []
     for j in range(len(tokens)):
-        path, node = [], j
-        while node >= 0:
-            path.append(tokens[node])
-            node = parents[node]
-        path.reverse()
+        path = node_path(tokens, parents, j)
         n = 0 if matcher.is_stopped() else matcher.try_consume_tokens(path)
         valid.append(n == len(path))
         if valid[-1]:

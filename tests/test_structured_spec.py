@@ -25,6 +25,7 @@ from checkpoints import (
 )
 from tandem import LLM, SamplingParams
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.speculative.tree import node_path
 from tandem.engine.structured_output import StructuredSpec
 
 PROMPTS: list[list[int]] = [[5, 6, 7], list(range(40, 70)), [100, 101], [200, 201, 202, 203]]
@@ -231,11 +232,7 @@ def _check_tree_drafts(
         if matcher.try_consume_tokens(emitted[rid]) < len(emitted[rid]) or matcher.is_stopped():
             continue  # the request finished with this step
         for j in range(len(drafts)):
-            path, node = [], j
-            while node >= 0:
-                path.append(drafts[node])
-                node = parents[node]
-            path.reverse()
+            path = node_path(drafts, parents, j)
             n = matcher.try_consume_tokens(path[:-1])
             stopped = n < len(path) - 1 or matcher.is_stopped()  # an ancestor's fallback or end
             if not stopped:

@@ -38,6 +38,7 @@ __all__ = [
     "copy_kv_slots",
     "expand_level",
     "max_tree_nodes",
+    "node_path",
     "root_frontier",
     "select_frontier",
     "tree_attention_words",
@@ -46,6 +47,16 @@ __all__ = [
 # Query rows of one tree request (root + nodes) that the attention mask can describe: one bit
 # per row in an int64 word (kernels/paged_attention.py).
 MAX_TREE_ROWS = 64
+
+
+def node_path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """On the host: the tokens from the root's child down to ``node`` (its ancestors', then its
+    own), given every node's parent (-1: the root)."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
 
 
 def max_tree_nodes(num_speculative_tokens: int, topk: int) -> int:
