@@ -14,7 +14,9 @@ compute the same masks and feed the same drafts to the sharded draft layers.
 Host work: a constrained step reads the emitted tokens, then each draft but the last, back to
 the host (K host reads on top of the step's one sync) and fills the masks on the CPU; it runs the
 draft loop eagerly (under attention DP every rank does, when any rank has a constrained request).
-Steps without a constrained request never build a masker.
+Steps without a constrained request never build a masker. Draft trees read each depth's
+frontier paths instead and mask every frontier node's children with the grammar's state after
+its path (``DraftMasker.node_masks``).
 """
 
 from __future__ import annotations

@@ -13,11 +13,16 @@ continues as if a chain had been verified. Then the draft:
 - depth 1 takes the top-k tokens after the gathered row; each later depth runs the draft over
   the frontier nodes of every depth so far (``topk`` per depth, at KV scratch positions after the
   new root, RoPE position root + depth - 1) with a tree attention mask, and takes each frontier
-  node's top-k children; ``build_tree`` keeps the best ``N`` nodes.
+  node's top-k children; ``build_tree`` keeps the best ``N`` nodes. With row pick, step 0's
+  post-attention part runs on the rows the trees grow from and each frontier pass's on the
+  ``topk`` rows expanded next.
 
-Children are the deterministic top-k, so acceptance uses the point-mass rule (``q=None``),
-lossless at any temperature. The tree's shape (parents, depths, attention words) stays here,
-per request, on the device; only its tokens travel to the scheduler.
+Children are the deterministic top-k (under structured output: the top-k the grammar allows
+after the node's path, ``DraftMasker.node_masks``), so acceptance uses the point-mass rule
+(``q=None``), lossless at any temperature. The tree's shape (parents, depths, attention words)
+stays here, per request, on the device; its tokens and parents travel to the scheduler (the
+parents for the grammar masks of the nodes' verified rows). ``next_tree`` is what a CUDA graph
+captures (engine/graph_runner.py).
 """
 
 from __future__ import annotations
