@@ -114,7 +114,7 @@ class GraphRunner:
         # Draft trees: the target verifies tree rows (positions root + depth, a tree mask)
         # and the draft segment drafts the next tree (its shape leaves as static outputs).
         self.tree = isinstance(self.spec, TreeDecoder)
-        self.topk = self.spec.topk if isinstance(self.spec, TreeDecoder) else 1
+        self.topk = self.spec.config.topk if self.spec is not None else 1
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.mapping = mapping
         self.use_cuda = mode == "cuda"
@@ -156,10 +156,10 @@ class GraphRunner:
         z("row_owner", (n,), i64)
         z("num_accepted", (b,), i64)
         z("tokens", (b, k1), i64)
-        if isinstance(self.spec, TreeDecoder):
+        if self.tree:
             z("tree_positions", (n,), i64)
             z("tree_mask", (n,), i64)
-            z("path", (b, self.spec.depth), i64)
+            z("path", (b, self.spec.config.num_speculative_tokens), i64)
         if self.spec.vanilla:
             z("future", (b, k1), i64)
             z("row_req", (n,), i64)

@@ -547,7 +547,8 @@ class ModelRunner:
                 finally:
                     masker.close()
         n_new = new_drafts.shape[1]
-        if isinstance(spec, TreeDecoder) and n_new:
+        with_parents = isinstance(spec, TreeDecoder) and n_new > 0
+        if with_parents:
             # Draft trees: the nodes' parents travel with their tokens (constrained requests'
             # grammar masks follow each node's path).
             new_drafts = torch.cat([new_drafts, spec.last_parents.to(new_drafts.dtype)], dim=1)
@@ -582,5 +583,5 @@ class ModelRunner:
             logprobs,
             num_drafts=[r.num_drafts for r in inp.sampled],
             draft_token_ids=[row[:n_new] for row in drafts],
-            draft_parents=[row[n_new:] for row in drafts] if n_new < len(drafts[0]) else [],
+            draft_parents=[row[n_new:] for row in drafts] if with_parents else [],
         )

@@ -342,10 +342,7 @@ class StructuredOutputManager:
         # consumes its draft ``depth``; ``consumed[i]`` is how far request i went.
         consumed = [0] * len(request_ids)
         live = list(range(len(request_ids)))
-        if parents is not None:  # trees: row 0 here, the nodes' rows below
-            lens_chain = [0] * len(request_ids)
-        else:
-            lens_chain = lens
+        chain = parents is None  # trees: row 0 here, the nodes' rows below (_fill_tree_rows)
         depth = 0
         while live:
             llguidance.torch.fill_next_token_bitmask_par(
@@ -353,7 +350,7 @@ class StructuredOutputManager:
             )
             nxt = []
             for i in live:
-                if depth < lens_chain[i] and not matchers[i].is_stopped():
+                if chain and depth < lens[i] and not matchers[i].is_stopped():
                     if matchers[i].try_consume_tokens([ahead[i][depth]]) == 1:
                         consumed[i] += 1
                         nxt.append(i)
@@ -364,7 +361,7 @@ class StructuredOutputManager:
         for i, rid in enumerate(request_ids):
             if consumed[i]:
                 matchers[i].rollback(consumed[i])
-            if parents is not None and lens[i] and not matchers[i].is_error():
+            if not chain and lens[i] and not matchers[i].is_error():
                 valid[i] = _fill_tree_rows(
                     matchers[i], ahead[i], parents[rid], bitmask, offsets[i] + 1
                 )

@@ -193,7 +193,7 @@ class Worker:
             config.device,
             enabled=self.mapping.uses_adp_collectives or mode is not None,
             batch_sizes=gc.cuda_graph_batch_sizes,
-            topk=config.speculative_config.topk if config.speculative_config else 1,
+            topk=sc.topk if sc is not None else 1,
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tandem.engine.outputs import EngineStats
+from tandem.engine.request import SpecStats
 from tandem.engine.structured_output import GRAMMAR_TIME_BUCKETS
 from tandem.engine.structured_output import Histogram as StatsHistogram
 
@@ -32,8 +33,9 @@ LATENCY_BUCKETS = (
 FINISH_REASONS = ("stop", "length")
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
+def _spec(s: EngineStats) -> SpecStats:
+    """The engine's speculation counts, for SpecStats' derived figures."""
+    return SpecStats(s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
 
 
 # (kind, name, help, value from the engine's stats snapshot)
@@ -50,8 +52,8 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("counter", "spec_decode_num_drafts", "Speculative verification steps that had drafts.", lambda s: s.spec_num_drafts),
     ("counter", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", lambda s: s.spec_num_draft_tokens),
     ("counter", "spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
-    ("gauge", "spec_decode_mean_tokens_per_step", "Tokens emitted per verification step (accepted + 1), since start.", lambda s: _ratio(s.spec_num_accepted_tokens + s.spec_num_drafts, s.spec_num_drafts)),
-    ("gauge", "spec_decode_mean_draft_tokens_per_step", "Draft tokens verified per step (K for a chain, the verified tree's size), since start.", lambda s: _ratio(s.spec_num_draft_tokens, s.spec_num_drafts)),
+    ("gauge", "spec_decode_mean_tokens_per_step", "Tokens emitted per verification step (accepted + 1), since start.", lambda s: _spec(s).mean_tokens_per_step),
+    ("gauge", "spec_decode_mean_draft_tokens_per_step", "Draft tokens verified per step (K for a chain, the verified tree's size), since start.", lambda s: _spec(s).mean_draft_tokens_per_step),
     ("counter", "spec_decode_constrained_num_draft_tokens", "Draft tokens verified for grammar-constrained requests.", lambda s: s.spec_constrained_draft_tokens),
     ("counter", "spec_decode_constrained_num_accepted_tokens", "Draft tokens accepted for grammar-constrained requests.", lambda s: s.spec_constrained_accepted_tokens),
 )  # fmt: skip

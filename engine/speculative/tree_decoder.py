@@ -101,8 +101,8 @@ def _scatter_rows(base: Tensor, rows: Tensor, values: Tensor, keep: Tensor) -> T
 
 class TreeDecoder(SpecDecoder):
     """``SpecDecoder`` for draft trees (Eagle3, MTP-Eagle: one draft layer reused per depth).
-    ``k`` is num_draft_tokens: the drafts a
-    request carries into the next step (the verify rows are k + 1)."""
+    ``k`` is num_draft_tokens: the drafts a request carries into the next step (the verify
+    rows are k + 1)."""
 
     def __init__(
         self,
@@ -143,13 +143,13 @@ class TreeDecoder(SpecDecoder):
         sampled = [r for r in requests if r.sample]
         n, d = self.k, self.depth
         dev = layout.rows.device
-        chain_parents = torch.arange(-1, n - 1, device=dev)
-        chain_depths = torch.arange(1, n + 1, device=dev)
+        chain = None  # the shape of drafts without one (none, normally): a chain is a tree
         parents, depths, words = [], [], []
         for r in sampled:
             shape = self.shapes.get(r.request_id)
-            if shape is None:  # drafts of unknown shape (none, normally): a chain is a tree
-                shape = (chain_parents, chain_depths, _chain_words(n, dev))
+            if shape is None:
+                chain = chain or _chain_shape(n, dev)
+                shape = chain
             parents.append(shape[0])
             depths.append(shape[1])
             words.append(shape[2])
@@ -171,9 +171,8 @@ class TreeDecoder(SpecDecoder):
             ancestors=ancestor_mask(parents_t, d),
             max_depth=d,
         )
-        inp.layout = TreeLayout(
-            **{f.name: getattr(layout, f.name) for f in _layout_fields()}, tree=tree
-        )
+        fields = dataclasses.fields(VerifyLayout)
+        inp.layout = TreeLayout(**{f.name: getattr(layout, f.name) for f in fields}, tree=tree)
         if not any(r.num_drafts for r in sampled):
             return  # nothing to verify as a tree: the target runs causally
         first = layout.first_row[:, None]
@@ -229,14 +228,14 @@ class TreeDecoder(SpecDecoder):
                 uniform = uniform_noise(b, n, gens, logits.device)
                 noise = exponential_noise((b, v), gens, logits.device)
                 acc = accept_tree_sampling(tree, p, uniform, noise)
-        self._compact(layout, acc)
+        self.compact(layout, acc)
         self._path = acc.path
         if st.max_num_logprobs > 0:
             _path_columns_(logits, acc)
         tokens = F.pad(acc.tokens, (0, k1 - acc.tokens.shape[1]))
         return acc.num_accepted, tokens
 
-    def _compact(self, layout: VerifyLayout, acc: TreeAcceptance) -> None:
+    def compact(self, layout: VerifyLayout, acc: TreeAcceptance) -> None:
         """Move the accepted nodes' target KV to the positions a chain would have used."""
         src, dst = compaction_slots(
             layout.block_tables, layout.positions, acc.path, acc.num_accepted, self.block_size
@@ -277,12 +276,29 @@ class TreeDecoder(SpecDecoder):
         tokens: Tensor,
     ) -> None:
         """A step that proposes no drafts: draft step 0 over the rows in chain order."""
-        order = self._chain_order(layout, num_accepted, inp.input_ids.shape[0], self.path)
-        last_rows = inp.meta.query_start_loc[1:].long() - 1
-        step_tokens, _ = build_draft_step0_inputs(
-            layout.first_row, num_accepted, tokens, inp.input_ids[order], last_rows, inp.next_tokens
+        rows = (inp.input_ids, inp.meta, draft_hidden, inp.next_tokens, layout)
+        step_tokens, hidden, _ = self._step0_inputs(*rows, num_accepted, tokens, self.path)
+        self.draft(0, inp.positions, step_tokens, hidden, inp.meta)
+
+    def _step0_inputs(
+        self,
+        input_ids: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        path: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft step 0's input tokens and hidden states with the accepted paths in chain order,
+        and the rows the trees grow from (gather ids [B])."""
+        order = self._chain_order(layout, num_accepted, input_ids.shape[0], path)
+        last_rows = target_meta.query_start_loc[1:].long() - 1
+        step_tokens, gather_ids = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, input_ids[order], last_rows, next_tokens
         )
-        self.draft(0, inp.positions, step_tokens, draft_hidden[order], inp.meta)
+        return step_tokens, draft_hidden[order], gather_ids
 
     def propose(
         self,
@@ -336,19 +352,15 @@ class TreeDecoder(SpecDecoder):
         words [B, N + 1]). Device work only, no host reads and no state kept: what a CUDA graph
         captures (``path``: this step's accepted paths, a static buffer there). ``masker``
         (eager steps with constrained requests only): grammar masks, read on the host."""
-        order = self._chain_order(layout, num_accepted, input_ids.shape[0], path)
-        last_rows = target_meta.query_start_loc[1:].long() - 1
-        step_tokens, gather_ids = build_draft_step0_inputs(
-            layout.first_row, num_accepted, tokens, input_ids[order], last_rows, next_tokens
-        )
+        rows = (input_ids, target_meta, draft_hidden, next_tokens, layout)
+        step_tokens, hidden, gather_ids = self._step0_inputs(*rows, num_accepted, tokens, path)
         # Row pick: step 0's post-attention part only on the rows the tree grows from.
         if self.picks_rows():
             hidden = self.draft(
-                0, positions, step_tokens, draft_hidden[order], target_meta, pick_rows=gather_ids
+                0, positions, step_tokens, hidden, target_meta, pick_rows=gather_ids
             )
         else:
-            hidden = self.draft(0, positions, step_tokens, draft_hidden[order], target_meta)
-            hidden = hidden[gather_ids]
+            hidden = self.draft(0, positions, step_tokens, hidden, target_meta)[gather_ids]
         root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
         picked = target_meta.all_rank_num_picked  # attention DP: every rank's sampled rows
         tree = self.draft_tree(hidden, root_pos, layout, picked, masker)
@@ -492,14 +504,12 @@ class TreeDecoder(SpecDecoder):
         )
 
 
-def _layout_fields() -> tuple[dataclasses.Field[Any], ...]:
-    return dataclasses.fields(VerifyLayout)
-
-
-def _chain_words(n: int, device: torch.device) -> Tensor:
-    """The attention words [N + 1] of a chain of n nodes (row i sees rows 0..i)."""
-    parents = torch.arange(-1, n - 1, device=device)[None]
-    return tree_attention_words(ancestor_mask(parents, n))[0]
+def _chain_shape(n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(parents [N], depths [N], attention words [N + 1]) of a chain of n nodes (row i sees
+    rows 0..i)."""
+    parents = torch.arange(-1, n - 1, device=device)
+    words = tree_attention_words(ancestor_mask(parents[None], n))[0]
+    return parents, torch.arange(1, n + 1, device=device), words
 
 
 def _path_columns_(logits: Tensor, acc: TreeAcceptance) -> None:
