@@ -2,13 +2,14 @@
 and a plain decode step, per batch size (benchmarks/gpu.py runs it after the Eagle3 section).
 
 A tree step does the work of engine/speculative/tree_decoder.py, eagerly, like the Eagle3
-section's chain step (the engine also replays trees in CUDA graphs): the target verifies N + 1 rows per request (the root, then the nodes) in
-one forward, RoPE positions root + depth, a tree attention mask; greedy tree acceptance on the
-target's argmax; the accepted path's target KV moves to chain positions; draft step 0 over every
-row (accepted path in chain order); then ``TreeDecoder.draft_tree``: per depth one draft pass
-over the frontier nodes so far (tree mask), their top-k children, ``build_tree``. The verified
-tree is one the random-weight head drafted (best-first, EAGLE-2 style): the work of a step does
-not depend on its shape, nor on how much of it is accepted.
+section's chain step (the engine also replays trees in CUDA graphs): the target verifies N + 1
+rows per request (the root, then the nodes) in one forward, RoPE positions root + depth, a tree
+attention mask; greedy tree acceptance on the target's argmax; then the decoder's own
+``compact`` (the accepted path's target KV to chain positions) and ``next_tree`` (draft step 0
+over every row, then per depth one draft pass over the frontier nodes so far, their top-k
+children, ``build_tree``). The verified tree is one the random-weight head drafted (best-first,
+EAGLE-2 style): the work of a step does not depend on its shape, nor on how much of it is
+accepted.
 """
 
 from __future__ import annotations
@@ -109,52 +110,23 @@ def tree_meta(meta: Any, words: Any) -> Any:
     return dataclasses.replace(meta, tree_mask=words, plan=plan)
 
 
-def chain_order(first_row: Any, path: Any, num_accepted: Any, rows: int) -> Any:
-    """[B * rows] source row of every verify row once the accepted paths (``path`` [B, D]) are
-    in chain order: row first + j takes the row of the depth-j accepted node."""
-    import torch
-
-    b, d = path.shape
-    j = torch.arange(1, d + 1, device=path.device)
-    cols = torch.arange(rows, device=path.device).repeat(b, 1)
-    cols[:, 1 : d + 1] = torch.where(j <= num_accepted[:, None], 1 + path.clamp_min(0), j)
-    return (first_row[:, None] + cols).reshape(-1)
-
-
 def run_tree_step(
     model: Any, draft: Any, decoder: Any, t: TreeInputs, capture: tuple[int, ...]
 ) -> Any:
-    """Verify, accept, compact the target KV, draft the next tree; returns its tokens."""
+    """Verify, accept, compact the target KV (``TreeDecoder.compact``), draft the next tree
+    (``TreeDecoder.next_tree``, as a step or its CUDA graph does); returns its tokens."""
     import torch.nn.functional as F
 
-    from tandem.engine.speculative.tree import (
-        compaction_slots,
-        copy_kv_slots,
-        tree_attention_words,
-    )
     from tandem.engine.speculative.tree_accept import accept_tree_greedy
-    from tandem.kernels.spec_decode import build_draft_step0_inputs
 
     v, layout = t.verify, t.layout
     b, rows = layout.rows.shape
     hidden, captured = model(v.input_ids, t.positions, tree_meta(v.meta, t.words), capture)
     acc = accept_tree_greedy(t.tree, model.compute_logits(hidden).argmax(-1).view(b, rows))
-    src, dst = compaction_slots(
-        layout.block_tables, layout.positions, acc.path, acc.num_accepted, BLOCK_SIZE
-    )
-    for attn in model.attention_layers():
-        copy_kv_slots(attn.k_cache, src, dst)
-        copy_kv_slots(attn.v_cache, src, dst)
-    order = chain_order(layout.first_row, acc.path, acc.num_accepted, rows)
+    decoder.compact(layout, acc)
     tokens = F.pad(acc.tokens, (0, rows - acc.tokens.shape[1]))
-    last_rows = v.meta.query_start_loc[1:].long() - 1
-    step_tokens, gather = build_draft_step0_inputs(
-        layout.first_row, acc.num_accepted, tokens, v.input_ids[order], last_rows, t.next_tokens
-    )
-    x = draft(0, v.positions, step_tokens, draft.combine_hidden(captured)[order], v.meta)
-    tree = decoder.draft_tree(x[gather], layout.positions + acc.num_accepted + 1, layout)
-    tree_attention_words(tree.ancestors)  # the next step's mask, as the engine keeps it
-    return tree.tokens
+    inputs = (v.input_ids, v.positions, v.meta, draft.combine_hidden(captured), t.next_tokens)
+    return decoder.next_tree(*inputs, layout, acc.num_accepted, tokens, acc.path)[0]
 
 
 def plain_ms(s: Setup, model: Any, b: int) -> float:
