@@ -86,20 +86,29 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     spec = _tree(head, topk, n, k)
     with LLM(str(target), dtype="float32", speculative_config=spec, max_num_seqs=4) as llm:
-        engine = llm.engine
-        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-        full = 0
-        while engine.has_unfinished_requests():
-            before = {r.request_id: (len(r.output_token_ids), len(r.spec_token_ids)) for r in reqs}
-            for out in engine.step():
-                done, drafts = before[out.request_id]
-                new = len(out.outputs[0].token_ids) - done
-                if drafts == n and max_tokens - done - 1 >= k:  # room for the whole depth
-                    assert new == k + 1, (out.request_id, new)
-                    full += 1
+        reqs, full = _full_depth_steps(llm, prompts, params, n, k)
     for prompt, r in zip(prompts, reqs, strict=True):
         assert r.output_token_ids == [prompt[-1]] * params.max_tokens  # the echo
     assert full >= steps * len(prompts)
+
+
+def _full_depth_steps(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, n: int, k: int
+) -> tuple[list, int]:
+    """Step ``prompts`` through ``llm``: every step that verified a whole tree of ``n`` nodes
+    with room for all ``k`` depths must emit k + 1 tokens. Returns (the requests, such steps)."""
+    engine = llm.engine
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    full = 0
+    while engine.has_unfinished_requests():
+        before = {r.request_id: (len(r.output_token_ids), len(r.spec_token_ids)) for r in reqs}
+        for out in engine.step():
+            done, drafts = before[out.request_id]
+            new = len(out.outputs[0].token_ids) - done
+            if drafts == n and params.max_tokens - done - 1 >= k:  # room for the whole depth
+                assert new == k + 1, (out.request_id, new)
+                full += 1
+    return reqs, full
 
 
 def _top1_path(tokens: list[int], parents: list[int]) -> list[int]:
@@ -406,16 +415,7 @@ def test_mtp_perfect_draft_accepts_the_full_depth(mtp_models) -> None:
     with LLM(str(mtp_models["perfect"])) as llm:
         base = _tokens(llm.generate(PROMPTS, params))
     with LLM(str(mtp_models["perfect"]), speculative_config=_mtp_tree(topk, n, k)) as llm:
-        engine = llm.engine
-        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
-        full = 0
-        while engine.has_unfinished_requests():
-            before = {r.request_id: (len(r.output_token_ids), len(r.spec_token_ids)) for r in reqs}
-            for out in engine.step():
-                done, drafts = before[out.request_id]
-                if drafts == n and params.max_tokens - done - 1 >= k:
-                    assert len(out.outputs[0].token_ids) - done == k + 1
-                    full += 1
+        reqs, full = _full_depth_steps(llm, PROMPTS, params, n, k)
     assert [r.output_token_ids for r in reqs] == base
     assert full >= steps * len(PROMPTS)
 
