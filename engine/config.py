@@ -349,15 +349,11 @@ class SpeculativeConfig:
                 f"speculative_config: (num_speculative_tokens - 1) * topk = {rows} must be <= 63 "
                 "(the draft attends over its tree's frontier nodes with a 64-bit mask)"
             )
-        unsupported = {
-            "mtp_mode 'vanilla'": self.method == "mtp" and self.mtp_mode == "vanilla",
-        }
-        for what, used in unsupported.items():
-            if used:
-                raise ValueError(
-                    f"speculative_config.topk > 1 (draft trees) does not support {what} yet; "
-                    "use topk 1 (a chain)"
-                )
+        if self.method == "mtp" and self.mtp_mode == "vanilla":
+            raise ValueError(
+                "speculative_config.topk > 1 (draft trees) does not support mtp_mode 'vanilla' "
+                "yet; use topk 1 (a chain)"
+            )
 
     @property
     def is_tree(self) -> bool:
