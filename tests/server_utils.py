@@ -84,8 +84,15 @@ class RemoteServer:
         launcher: list[str] | None = None,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        headless: bool = False,
     ) -> None:
-        self.port = free_port()
+        self.held: socket.socket | None = None
+        if headless:  # no SO_REUSEADDR: the server cannot bind the port either
+            self.held = socket.socket()
+            self.held.bind(("127.0.0.1", 0))
+            self.port = self.held.getsockname()[1]
+        else:
+            self.port = free_port()
         self.api_key = api_key
         self.model = model
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
@@ -173,6 +180,8 @@ class RemoteServer:
             pass
         self.log.close()
         os.unlink(self.log.name)
+        if self.held is not None:
+            self.held.close()
 
     def __enter__(self) -> RemoteServer:
         try:
