@@ -15,10 +15,12 @@ says so.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,23 @@ def unavailable_reason() -> str | None:
     return _error
 
 
+def extension_name(branch: str) -> str:
+    """The module's name: the source, torch, Python and the instruction set name it, so an
+    edited source, or a cache shared with a machine of another kind, never loads a stale build."""
+    key = SOURCE.read_bytes() + f"{torch.__version__} {sys.version_info[:2]} {branch}".encode()
+    return f"tandem_cpu_decode_{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built and cached (made if missing)."""
+    from torch.utils.cpp_extension import get_default_build_root  # imports setuptools: lazily
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def load_extension() -> Any | None:
     """The built extension module, building it on first use; None where unavailable."""
     global _ext, _error
@@ -109,12 +128,7 @@ def load_extension() -> Any | None:
         reason = unavailable_reason()
         if reason is not None:
             return None
-        # The source, torch and instruction set name the module: an edited source, or a cache
-        # shared with a machine of another kind, never loads a stale build.
         branch = isa()
-        key = SOURCE.read_bytes() + f"{torch.__version__} {branch}".encode()
-        digest = hashlib.sha256(key).hexdigest()
-        name = f"tandem_cpu_decode_{digest[:16]}"
         try:
             from torch.utils.cpp_extension import load
 
@@ -124,13 +138,22 @@ def load_extension() -> Any | None:
             )
             # TANDEM_EXPECT_ISA: the source's static_assert that the flags picked this branch.
             expect = f'-DTANDEM_EXPECT_ISA=\\"{branch}\\"'
-            _ext = load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", *ISA_CFLAGS[branch], expect, "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            name = extension_name(branch)
+            folder = build_directory(name)
+            # One build at a time, under a lock the kernel drops when its holder dies. torch's
+            # own lock file outlives a build that was killed (Ctrl-C at the first start) and
+            # would stop every later load; under ours no other build runs, so one left is stale.
+            with open(folder.with_suffix(".flock"), "a") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (folder / "lock").unlink(missing_ok=True)
+                _ext = load(
+                    name=name,
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", *ISA_CFLAGS[branch], expect, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),
+                    verbose=False,
+                )
         except Exception as exc:  # no compiler, no ninja, a build error: stay on the eager path
             _error = f"its build failed ({type(exc).__name__}: {str(exc).strip()[:300]})"
             logger.warning("CPU decode fast path disabled: %s", _error)

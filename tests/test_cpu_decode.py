@@ -467,6 +467,21 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     assert ext is not None and ext.isa() == cpu_decode.isa()
 
 
+def test_a_build_killed_midway_does_not_stop_later_loads() -> None:
+    """torch's build lock file outlives a build that was killed (Ctrl-C at the first start); the
+    next load, in a new process, clears it rather than waiting on it forever."""
+    if cpu_decode.load_extension() is None:
+        pytest.skip(f"no fast path here: {cpu_decode.unavailable_reason()}")
+    branch = cpu_decode.isa()
+    assert branch is not None
+    lock = cpu_decode.build_directory(cpu_decode.extension_name(branch)) / "lock"
+    lock.touch()  # what the killed build left
+    load = "from tandem.kernels import cpu_decode; assert cpu_decode.load_extension()"
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not lock.exists()
+
+
 def test_a_branch_the_cpu_cannot_run_is_refused_with_a_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
