@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -297,6 +298,22 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP server's socket, bound (uvicorn listens on it); ValueError naming the address
+    when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot serve on {host}:{port}: {e.strerror or e} (another server on that port? "
+            "pick one with --port)"
+        ) from e
+    return sock
+
+
 def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -370,6 +387,9 @@ def serve(ns: argparse.Namespace) -> int:
         max_request_body_bytes=ns.max_request_body_size,
         allow_request_chat_template=ns.trust_request_chat_template,
     )
+    # The port is bound before anything loads: a busy port stops the server at once, not after
+    # the engine has loaded the model, and nothing else can take the port meanwhile.
+    sock = listen_socket(ns.host, ns.port)
     try:
         app = build_app(engine_args, settings)
     except OSError as e:  # e.g. a folder without tokenizer files
@@ -389,9 +409,9 @@ def serve(ns: argparse.Namespace) -> int:
         on_force_exit=state.force_stop,
     )
     holder["server"] = server
-    logger.info("serving on http://%s:%d (API key %s)", ns.host, ns.port,
+    logger.info("serving on http://%s:%d (API key %s)", ns.host, sock.getsockname()[1],
                 "required" if settings.api_key else "not required")  # fmt: skip
-    server.run()
+    server.run(sockets=[sock])
     if "dead" in holder:
         logger.error("exiting non-zero: %s", holder["dead"])
         return 1

@@ -73,7 +73,7 @@ def cmdline(pid: int) -> str:
 class RemoteServer:
     """`python -m tandem.server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own
     process group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
-    model (no MODEL argument). ``launcher`` replaces ``python -m tandem.server.cli`` (e.g. another
+    model (no MODEL argument). ``port`` replaces the free port. ``launcher`` replaces ``python -m tandem.server.cli`` (e.g. another
     venv's ``tandem``), ``cwd`` the checkout as the working folder, ``env`` adds variables."""
 
     def __init__(
@@ -85,9 +85,12 @@ class RemoteServer:
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
         headless: bool = False,
+        port: int | None = None,
     ) -> None:
         self.held: socket.socket | None = None
-        if headless:  # no SO_REUSEADDR: the server cannot bind the port either
+        if port is not None:
+            self.port = port
+        elif headless:  # no SO_REUSEADDR: the server cannot bind the port either
             self.held = socket.socket()
             self.held.bind(("127.0.0.1", 0))
             self.port = self.held.getsockname()[1]

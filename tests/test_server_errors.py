@@ -9,6 +9,7 @@ import asyncio
 import os
 import shutil
 import signal
+import socket
 
 import httpx
 import pytest
@@ -321,3 +322,19 @@ def test_engine_that_cannot_start_makes_the_server_exit_nonzero(tmp_path_factory
         assert "engine start-up failed" in s.log_tail()
     finally:
         s.stop()
+
+
+def test_a_busy_port_stops_the_server_before_anything_loads(tmp_path_factory):
+    # Before, the engine loaded the whole model and then uvicorn failed to bind.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = RemoteServer(tiny_model(tmp_path_factory), [], port=port)
+        try:
+            assert s.proc.wait(timeout=60) == 2
+            log = s.log_tail()
+            assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in log
+            assert "[engine]" not in log
+        finally:
+            s.stop()
