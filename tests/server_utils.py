@@ -73,8 +73,9 @@ def cmdline(pid: int) -> str:
 class RemoteServer:
     """`python -m tandem.server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own
     process group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
-    model (no MODEL argument). ``port`` replaces the free port. ``launcher`` replaces ``python -m tandem.server.cli`` (e.g. another
-    venv's ``tandem``), ``cwd`` the checkout as the working folder, ``env`` adds variables."""
+    model (no MODEL argument). ``port`` replaces the free port. ``launcher`` replaces
+    ``python -m tandem.server.cli`` (e.g. another venv's ``tandem``), ``cwd`` the checkout as the
+    working folder, ``env`` adds variables."""
 
     def __init__(
         self,
