@@ -19,6 +19,7 @@ from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blo
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.layers import (
+    cover_positions,
     pack_cpu_linears,
     quantize_int8_,
     use_cpu_matvec_linears,
@@ -147,6 +148,12 @@ class Worker:
                 spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":
                 capture = eagle3_capture_layers(sc, draft.config, mc.num_layers)
+        # Every position the engine serves, whatever each config says: a public Eagle3 head's
+        # config says 2048 behind a target served at 8192.
+        positions = mc.max_model_len + (sc.kv_lookahead if sc else 0)
+        cover_positions(self.model, positions)
+        if spec is not None:
+            cover_positions(spec.draft, positions)
         int8 = sc is not None and sc.draft_quantization == "int8"
         reason: str | None = f"the device is {config.device.type}"
         if config.device.type == "cpu":

@@ -187,6 +187,14 @@ def get_rope(
     return rope
 
 
+def cover_positions(model: nn.Module, num_positions: int) -> None:
+    """Size every rotary table of ``model`` for positions ``[0, num_positions)``: what the
+    engine serves (``max_model_len`` plus a step's KV look-ahead), whatever the config says."""
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cover(num_positions)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed fp32 cos/sin cache."""
 
@@ -215,15 +223,24 @@ class RotaryEmbedding(nn.Module):
                 f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, "
                 "yarn"
             )
+        self.inv_freq = inv_freq  # [rot/2] fp32; ``cover`` extends the table from it
         # Margin: speculative draft steps look up to 2K positions past the last real token.
-        self._set_cache(inv_freq, max_position + 64)
+        # The serving length may pass the config's (a draft head's config often says less than
+        # its target serves): the worker calls ``cover_positions`` with what it serves.
+        self.register_buffer("cos_sin", self._table(max_position + 64), persistent=False)
 
-    def _set_cache(self, inv_freq: torch.Tensor, max_position: int) -> None:
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_pos, rot/2]
+    def _table(self, num_positions: int) -> torch.Tensor:
+        t = torch.arange(num_positions, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(t.device))  # [num_positions, rot/2]
         cos = freqs.cos() * self.attention_scaling
         sin = freqs.sin() * self.attention_scaling
-        self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1), persistent=False)
+        return torch.cat([cos, sin], dim=-1)
+
+    def cover(self, num_positions: int) -> None:
+        """Extend the cos/sin table to at least ``num_positions`` rows (the rotation of each
+        position stays what it was: only the table's length depends on the serving length)."""
+        if self.cos_sin.shape[0] < num_positions:
+            self.cos_sin = self._table(num_positions).to(self.cos_sin.device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -269,7 +269,7 @@ class FastDraftLayer:
         self.intermediate = layer.mlp.down_proj.weight.shape[1]
         self.eps = float(layer.input_layernorm.eps)
         self.scale = float(attn.attn.scale)
-        self.cos_sin = attn.rotary_emb.cos_sin
+        self.rope = attn.rotary_emb  # its table is read per call (``cover`` may extend it)
 
     def accepts(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
         return embeds.dtype == self.dtype and fast_path_accepts(
@@ -292,7 +292,7 @@ class CpuStackFastPath:
         self.intermediate = layer0.mlp.down_proj.weight.shape[1]
         self.eps = float(layer0.input_layernorm.eps)
         self.scale = float(attn.attn.scale)
-        self.cos_sin = attn.rotary_emb.cos_sin
+        self.rope = attn.rotary_emb  # its table is read per call (``cover`` may extend it)
         self.weights: list[torch.Tensor] = []
         for layer in model.layers:
             weights = fast_weights(self.layer_weights(layer))
@@ -344,7 +344,7 @@ class CpuStackFastPath:
             self.weights,
             caches,
             self.model.norm.weight.detach(),
-            self.cos_sin,
+            self.rope.cos_sin,
             (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,
             self.scale,

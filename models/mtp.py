@@ -104,7 +104,7 @@ class MTPFastPath(FastDraftLayer):
             self.weights,
             caches,
             layer.shared_head.norm.weight.detach(),
-            self.cos_sin,
+            self.rope.cos_sin,
             (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,
             self.scale,

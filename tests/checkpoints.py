@@ -257,9 +257,11 @@ def build_eagle3_draft(
     seed: int = 2,
     with_lm_head: bool = True,
     dtype: torch.dtype = torch.float32,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """A random Eagle3 draft head for ``target`` in the public checkpoint layout, its floating
-    tensors stored in ``dtype``."""
+    tensors stored in ``dtype``. ``max_position_embeddings``: default a quarter of the
+    target's, as the public Llama 3.1 head says 2048 behind an 8192 target."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -315,7 +317,7 @@ def build_eagle3_draft(
         "vocab_size": vocab,
         "draft_vocab_size": dv,
         "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": t["max_position_embeddings"],
+        "max_position_embeddings": max_position_embeddings or t["max_position_embeddings"] // 4,
         "rope_theta": (t.get("rope_parameters") or {}).get(
             "rope_theta", t.get("rope_theta", 10000.0)
         ),
@@ -590,7 +592,8 @@ def random_eagle3_head(
         "vocab_size": vocab,
         "draft_vocab_size": dv,
         "rms_norm_eps": t.get("rms_norm_eps", 1e-6),
-        "max_position_embeddings": t["max_position_embeddings"],
+        # A quarter of the target's, as public heads say (2048 behind an 8192 target).
+        "max_position_embeddings": t["max_position_embeddings"] // 4,
         "rope_theta": (t.get("rope_parameters") or {}).get(
             "rope_theta", t.get("rope_theta", 10000.0)
         ),

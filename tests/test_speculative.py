@@ -775,3 +775,22 @@ def test_strict_acceptance_serves_seeded_requests(models, method: str) -> None:
     assert first == again
     assert all(len(t) == 16 for t in first)
     assert seeds[0] == first[0] and seeds[0] != seeds[1]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle3-tree"])
+def test_draft_serves_past_its_configs_positions(models, tmp_path: Path, method: str) -> None:
+    """A public Eagle3 head's config says fewer positions than its target serves (2048 behind
+    8192): the draft's rotary table follows the serving length, not the head's config. A head
+    that says 64 serves a 300-token conversation exactly."""
+    head = build_eagle3_draft(
+        tmp_path / "short", models["target"], draft_vocab=160, max_position_embeddings=64
+    )
+    spec = {**_spec(models, method, 3), "model": str(head)}
+    prompt = [(7 * i) % 250 + 3 for i in range(280)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(models["target"])) as llm:
+        (want,) = _tokens(llm.generate([prompt], params))
+    with LLM(str(models["target"]), speculative_config=spec) as llm:
+        (out,) = llm.generate([prompt], params)
+    assert out.outputs[0].token_ids == want
+    assert out.spec_stats.num_drafts > 0
