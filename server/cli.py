@@ -23,6 +23,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # After the engine dies, /health answers 503 for this long before the server exits non-zero.
 ENGINE_DEAD_EXIT_DELAY_S = 5.0
+# uvicorn's own default backlog.
+LISTEN_BACKLOG = 2048
 # Seconds past --shutdown-timeout before uvicorn cancels what is still running.
 SHUTDOWN_GRACE_S = 5
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -299,12 +301,20 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP server's socket, bound (uvicorn listens on it); ValueError naming the address
-    when it cannot be bound."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """The HTTP server's socket, bound and listening (uvicorn serves on it); ValueError naming
+    the address when it cannot be bound.
+
+    The protocol is ``IPPROTO_TCP``, not 0: asyncio sets ``TCP_NODELAY`` only on connections
+    accepted from such sockets, and without it Nagle's algorithm holds each response's second
+    write until the client's delayed ACK (~40 ms a request on a kept-alive connection). It
+    listens at once: a socket only bound does not hold the port against another
+    ``SO_REUSEADDR`` bind, so a second server could take it while this one loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         sock.close()
         raise ValueError(

@@ -338,3 +338,26 @@ def test_a_busy_port_stops_the_server_before_anything_loads(tmp_path_factory):
             assert "[engine]" not in log
         finally:
             s.stop()
+
+
+def test_two_servers_on_one_port_one_serves_the_other_exits_cleanly(tmp_path_factory):
+    """The port is listened on as soon as it is bound: a second `tandem serve` on the same port
+    (started while the first loads) stops at once with the "address in use" error and exit 2;
+    an only-bound port let both bind and the loser died later with a traceback."""
+    model = tiny_model(tmp_path_factory)
+    first = RemoteServer(model, [])
+    second = RemoteServer(model, [], port=first.port)
+    try:
+        exited = wait_until(
+            lambda: next((s for s in (first, second) if s.proc.poll() is not None), None), 120
+        )
+        other = second if exited is first else first
+        assert exited.proc.returncode == 2, exited.log_tail()
+        log = exited.log_tail()
+        assert f"cannot serve on 127.0.0.1:{first.port}: Address already in use" in log
+        assert "Traceback" not in log and "[engine]" not in log
+        other.wait_ready()
+        assert httpx.get(other.url("/v1/models"), timeout=30).status_code == 200
+    finally:
+        first.stop()
+        second.stop()

@@ -358,3 +358,36 @@ def test_sse_events_survive_any_line_splitter() -> None:
     lines = [x for x in LineDecoder().decode(sse(chunk)) if x]
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][len("data: ") :]) == chunk
+
+
+def test_the_http_socket_listens_at_once_and_its_connections_are_nodelay():
+    """``listen_socket`` holds its port against a second server (bound alone, a port let another
+    SO_REUSEADDR socket bind it too), and the connections served from it (asyncio's transports,
+    as uvicorn makes them) have TCP_NODELAY: without it Nagle's algorithm held each response's
+    second write for the client's delayed ACK, ~40 ms a request on a kept-alive connection."""
+    import socket
+
+    from tandem.server.cli import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot serve on 127.0.0.1:{port}: Address already"):
+        listen_socket("127.0.0.1", port)
+
+    async def served_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        made: asyncio.Future = loop.create_future()
+
+        class Served(asyncio.Protocol):
+            def connection_made(self, transport):
+                made.set_result(transport.get_extra_info("socket"))
+
+        server = await loop.create_server(Served, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            served = await asyncio.wait_for(made, 10)
+            value = served.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            writer.close()
+            return value
+
+    assert asyncio.run(served_nodelay()) != 0
