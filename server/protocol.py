@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.server.errors import bad_request, unsupported
 
@@ -176,6 +176,18 @@ class FunctionDef(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None, info: ValidationInfo) -> Any:
+        """A call's arguments are a JSON object, so its schema must be one (as OpenAI asks);
+        missing or ``{}``: no parameters. A forced call's grammar and the parsers then agree."""
+        if value and value.get("type") != "object":
+            raise ValueError(
+                f"Invalid schema for function {info.data.get('name')!r}: parameters must be a "
+                f"JSON Schema of type 'object', got type {value.get('type')!r}"
+            )
+        return value
 
 
 class ChatTool(StrictModel):

@@ -190,7 +190,17 @@ def test_auto_reads_calls_the_model_writes_and_leaves_other_text(server, client)
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
          "both constrain"),
         ({"tool_choice": "required", "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "frobnicate"}}}]}, "tools", ""),
+            "name": "f", "parameters": {"type": "object", "properties": {
+                "a": {"type": "frobnicate"}}}}}]}, "tools", ""),
+        # A call's arguments are an object: the grammar forced `"arguments": []` and the parser
+        # dropped it, so the call came back as text (OpenAI answers such a tool with a 400).
+        *[({"tool_choice": choice, "tools": [WEATHER, {"type": "function", "function": {
+            "name": "add", "parameters": {"type": kind}}}]}, "tools[1].function.parameters",
+            "function 'add': parameters must be a JSON Schema of type 'object'")
+          for choice in ("required", "auto") for kind in ("array", "frobnicate")],
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "properties": {"a": {"type": "integer"}}}}}]}, "tools[0].function.parameters",
+         "got type None"),
         ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
          "required"),
     ],
