@@ -250,8 +250,11 @@ def test_seeded_sampling_with_trees(near_echo: tuple[Path, Path], rejection: boo
     assert stats.spec_num_draft_tokens <= 6 * stats.spec_num_drafts
 
 
-def test_tree_configuration_errors(models) -> None:
+def test_tree_configuration_errors(models, tmp_path: Path) -> None:
     t = str(models["target"])
+    small = build_eagle3_draft(tmp_path / "small", models["target"], draft_vocab=6)
+    with pytest.raises(ValueError, match=r"topk=8 is larger than the draft head's vocabulary \(6"):
+        LLM(t, speculative_config=eagle3_tree_spec(small, 8, 8, k=2))
     base = {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": 3}
     for extra, why in (
         ({"topk": 2}, "num_draft_tokens is required"),

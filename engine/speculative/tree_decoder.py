@@ -118,6 +118,13 @@ class TreeDecoder(SpecDecoder):
             raise ValueError(
                 "TreeDecoder serves Eagle3 and MTP-Eagle with speculative_config.topk > 1"
             )
+        vocab = int(draft.draft_vocab_size)
+        if config.topk > vocab:  # torch.topk would fail inside the first tree step
+            raise ValueError(
+                f"speculative_config.topk={config.topk} is larger than the draft head's "
+                f"vocabulary ({vocab} tokens): each node's children are distinct draft tokens; "
+                f"use topk <= {vocab}"
+            )
         self.depth = config.num_speculative_tokens
         self.topk = config.topk
         self.k = config.num_draft_tokens
