@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from tandem import __version__
 from tandem.engine.config import EngineConfig, ParallelConfig, split_host_port
 from tandem.engine.speculative.interface import DISABLE_ROW_PICK_ENV, row_pick_disabled_by_env
+from tandem.models.loader import checkpoint_digest
 
 KEY = "tandem/launch/"
 VERDICT_KEY = KEY + "verdict"
@@ -46,12 +48,24 @@ VERDICT_READ_S = 10.0
 REPORT_S = 30.0
 
 
-def _model_id(config: EngineConfig) -> str:
-    """The checkpoint's folder name and a digest of its config (paths may differ per node)."""
-    mc = config.model_config
-    d = {k: v for k, v in mc.hf_config.to_dict().items() if k != "_name_or_path"}
+def _checkpoint_id(config: dict[str, Any], folder: str | os.PathLike) -> str:
+    """A checkpoint by what it holds, not where (paths may differ per node): digests of its
+    config and of its tensors (``checkpoint_digest``)."""
+    d = {k: v for k, v in config.items() if k != "_name_or_path"}
     digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{os.path.basename(os.path.normpath(mc.model))} (config.json sha256 {digest[:12]})"
+    return f"config sha256 {digest[:12]}, tensors sha256 {checkpoint_digest(folder)[:12]}"
+
+
+def _spec_id(config: EngineConfig) -> str:
+    """The speculative config, its draft head named by ``_checkpoint_id`` (not by path)."""
+    spec = config.speculative_config
+    if spec is None:
+        return "none"
+    d = dataclasses.asdict(spec)
+    if spec.model is not None:
+        raw = json.loads((Path(spec.model) / "config.json").read_text())
+        d["model"] = _checkpoint_id(raw, spec.model)
+    return json.dumps(d, sort_keys=True)
 
 
 def fingerprint(config: EngineConfig) -> dict[str, str]:
@@ -63,16 +77,14 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
         "--tensor-parallel-size": str(pc.tensor_parallel_size),
         "--enable-attention-dp": str(pc.enable_attention_dp),
         "--enable-lm-head-tp-in-adp": str(pc.enable_lm_head_tp_in_adp),
-        "model": _model_id(config),
+        "model": _checkpoint_id(mc.hf_config.to_dict(), mc.model),
         "--dtype": str(mc.dtype).removeprefix("torch."),
         "--device": config.device.type,
         "--max-model-len": str(mc.max_model_len),
         "--block-size": str(cc.block_size),
         "--max-num-seqs": str(config.scheduler_config.max_num_seqs),
         "--seed": str(mc.seed),
-        "--speculative-config": (
-            "none" if spec is None else json.dumps(dataclasses.asdict(spec), sort_keys=True)
-        ),
+        "--speculative-config": _spec_id(config),
         "CUDA graphs": repr(config.graph_config),
         "tandem version": __version__,
     }

@@ -181,6 +181,30 @@ def test_mismatch_names_the_option_and_both_values():
     assert mismatches(node0, dict(node0), 1) == []
 
 
+def test_fingerprints_name_checkpoints_by_content_not_path(model_dir, tmp_path):
+    """A node may store the same target or draft head at another path (they agree), and a
+    different head at the same path is a mismatch (the path was compared before)."""
+    import shutil
+
+    from checkpoints import build_eagle3_draft
+    from tandem.engine.config import EngineArgs
+    from tandem.engine.multinode import fingerprint
+
+    def fp(target: Path, head: Path) -> dict[str, str]:
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+        args = EngineArgs(model=str(target), speculative_config=spec, device="cpu")
+        return fingerprint(args.create_engine_config())
+
+    head = build_eagle3_draft(tmp_path / "head", model_dir, seed=2)
+    node0 = fp(model_dir, head)
+    target_copy = shutil.copytree(model_dir, tmp_path / "elsewhere" / "target")
+    assert fp(target_copy, shutil.copytree(head, tmp_path / "elsewhere" / "head")) == node0
+    shutil.rmtree(head)
+    build_eagle3_draft(head, model_dir, seed=3)  # same config and shapes, other weights
+    (only,) = mismatches(node0, fp(model_dir, head), 1)
+    assert only.startswith("node 1 has --speculative-config")
+
+
 def test_the_offline_engine_refuses_to_run_on_a_headless_node(model_dir):
     with pytest.raises(ValueError, match="--node-rank 1"):
         LLM(
