@@ -18,6 +18,7 @@ from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from tandem.engine.structured_output import StepMasks, StructuredOutputManager
 
@@ -302,8 +303,12 @@ class LLMEngine:
                 if request.spec_stats is None:
                     request.spec_stats = SpecStats()
                 accepted = len(emitted) - 1
-                request.spec_stats.record(n_drafts, accepted, self.num_spec_tokens)
-                self.spec_stats.record(n_drafts, accepted, self.num_spec_tokens)
+                verified = n_drafts
+                if self.tree_drafts and n_drafts:  # nodes deeper than the room were skipped
+                    parents = request.spec_parents[:n_drafts]
+                    verified = verified_nodes(parents, request.spec_max_depth)
+                request.spec_stats.record(verified, accepted, self.num_spec_tokens)
+                self.spec_stats.record(verified, accepted, self.num_spec_tokens)
                 if self.structured.is_constrained(rid):
                     self.constrained_drafts += n_drafts
                     self.constrained_accepted += accepted

@@ -66,8 +66,10 @@ def test_greedy_tree_speculation_is_exact(models, baseline, topk: int, n: int) -
         assert _tokens(outs) == baseline
         assert all(o.spec_stats.num_drafts > 0 for o in outs)
         stats = llm.engine.get_stats()
-        # Whole trees every step (near max_tokens the nodes past the room are not verified).
-        assert stats.spec_num_draft_tokens == n * stats.spec_num_drafts
+        # Whole trees, but near max_tokens the nodes past the room are not verified (nor
+        # counted): at most the last k - 1 = 2 steps of each request verify part of a tree.
+        drafts = stats.spec_num_drafts
+        assert n * (drafts - 2 * len(PROMPTS)) <= stats.spec_num_draft_tokens <= n * drafts
         assert stats.num_used_kv_blocks == 0
 
 
@@ -90,6 +92,27 @@ def test_perfect_draft_accepts_the_full_depth(tmp_path: Path, topk: int, k: int)
     for prompt, r in zip(prompts, reqs, strict=True):
         assert r.output_token_ids == [prompt[-1]] * params.max_tokens  # the echo
     assert full >= steps * len(prompts)
+
+
+def test_statistics_count_only_the_verified_nodes(tmp_path: Path) -> None:
+    """A perfect head, topk 2, depth 3, every candidate (10 nodes) verified: the first tree
+    accepts all 3 depths; the next, with room for 1 more draft, verifies only its 2 depth-1
+    nodes (they were counted as 10)."""
+    topk, k = 2, 3
+    target = build_llama(tmp_path / "echo", layers=2, seed=5)
+    make_echo_target(target)
+    head = perfect_eagle3_draft(tmp_path / "head", target)
+    n = max_tree_nodes(k, topk)
+    params = SamplingParams(temperature=0, max_tokens=1 + (k + 1) + 2, ignore_eos=True)
+    with LLM(str(target), speculative_config=_tree(head, topk, n, k)) as llm:
+        (out,) = llm.generate([[5, 6, 7]], params)
+        engine = llm.engine.get_stats()
+    stats = out.spec_stats
+    assert (stats.num_drafts, stats.num_accepted_tokens) == (2, k + 1)
+    assert stats.num_draft_tokens == n + topk
+    assert stats.mean_draft_tokens_per_step == (n + topk) / 2
+    assert stats.acceptance_rate == (k + 1) / (n + topk)
+    assert (engine.spec_num_drafts, engine.spec_num_draft_tokens) == (2, n + topk)
 
 
 def _full_depth_steps(
@@ -400,7 +423,9 @@ def test_mtp_greedy_tree_speculation_is_exact(mtp_models, name: str, topk: int, 
         outs = llm.generate(PROMPTS, params)
         stats = llm.engine.get_stats()
     assert _tokens(outs) == base
-    assert stats.spec_num_draft_tokens == n * stats.spec_num_drafts
+    # Nodes skipped near max_tokens are not counted (at most the last 2 steps of a request).
+    drafts = stats.spec_num_drafts
+    assert n * (drafts - 2 * len(PROMPTS)) <= stats.spec_num_draft_tokens <= n * drafts
     assert stats.num_used_kv_blocks == 0
     if name == "dsv3":  # a near-echo head: nodes past the first are accepted
         assert stats.spec_num_accepted_tokens > stats.spec_num_drafts

@@ -42,6 +42,7 @@ __all__ = [
     "root_frontier",
     "select_frontier",
     "tree_attention_words",
+    "verified_nodes",
 ]
 
 # Query rows of one tree request (root + nodes) that the attention mask can describe: one bit
@@ -57,6 +58,15 @@ def node_path(tokens: list[int], parents: list[int], node: int) -> list[int]:
         path.append(tokens[node])
         node = parents[node]
     return path[::-1]
+
+
+def verified_nodes(parents: list[int], max_depth: int) -> int:
+    """On the host: how many nodes of a tree (every node's parent, -1: the root; parents come
+    first) lie at most ``max_depth`` deep, the ones verification does not skip."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return sum(d <= max_depth for d in depths)
 
 
 def max_tree_nodes(num_speculative_tokens: int, topk: int) -> int:
