@@ -115,9 +115,16 @@ class DequantizedWeight:
     safetensors slice is indexed) reads only the covered FP8 bytes and scale blocks."""
 
     def __init__(
-        self, name: str, data: Any, scale: torch.Tensor, block: tuple[int, int] | None
+        self,
+        name: str,
+        data: Any,
+        scale: torch.Tensor,
+        block: tuple[int, int] | None,
+        scale_name: str | None = None,
     ) -> None:
+        """``scale_name``: the scale tensor as the checkpoint names it (for errors)."""
         self.name = name
+        self.scale_name = scale_name or f"{name}_scale_inv"
         self.data = data  # a torch tensor or a lazy safetensors slice of float8_e4m3fn
         self.scale = scale.float()
         self.block = block
@@ -139,9 +146,18 @@ class DequantizedWeight:
         n, k = self.shape[-2:]
         grid = (*self.shape[:-2], math.ceil(n / bn), math.ceil(k / bk))
         if tuple(self.scale.shape) != grid:
+            expected = (
+                f"quantization_config.weight_block_size {list(self.block)} expects "
+                f"{self.name}_scale_inv of shape {grid}, a grid of the weight {self.shape}"
+            )
+            if self.scale.numel() == 1:
+                raise ValueError(
+                    f"{self.scale_name}: a per-tensor scale (shape {tuple(self.scale.shape)}), "
+                    f"but {expected}; a per-tensor checkpoint has no weight_block_size"
+                )
             raise ValueError(
-                f"{self.name}_scale_inv: shape {tuple(self.scale.shape)} does not match the "
-                f"weight {self.shape} in blocks of {list(self.block)} (expected {grid})"
+                f"{self.scale_name}: shape {tuple(self.scale.shape)} does not match the "
+                f"weight {self.shape} in blocks of {list(self.block)}; {expected}"
             )
 
     def get_shape(self) -> list[int]:
@@ -256,15 +272,13 @@ def dequantize_fp8(
                 f"{where}: {name} is stored in float8 but quantization_config."
                 "modules_to_not_convert lists its module"
             )
-        scale = scales.get(name + "_scale_inv")
-        if scale is None:
-            scale = scales.get(name + "_scale")
-        if scale is None:
+        scale_name = next((name + s for s in ("_scale_inv", "_scale") if name + s in scales), "")
+        if not scale_name:
             raise ValueError(
                 f"{where}: {name} is stored in float8 without a scale ({name}_scale_inv or "
                 f"{name}_scale)"
             )
-        yield name, DequantizedWeight(name, tensor, scale, scheme.block)
+        yield name, DequantizedWeight(name, tensor, scales[scale_name], scheme.block, scale_name)
     if skipped_activation_scales:
         logger.info(
             "%s: %d static activation scales not used (activations are quantized dynamically)",

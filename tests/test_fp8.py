@@ -297,6 +297,16 @@ def test_fp8_checkpoints_we_cannot_read_exactly_are_refused(dsv3: Path, root: Pa
         bad = _edit(fp8, root / f"bad-{name}", config, drop)
         with pytest.raises(ValueError, match=message):
             LLM(str(bad), dtype="float32")
+    # A per-tensor checkpoint under a block config: the error names the scale that was found
+    # (it named a `weight_scale_inv` the checkpoint does not have) and what the config expects.
+    per_tensor = quantize_checkpoint(dsv3, root / "fp8-bad-per-tensor", None)
+    bad = _edit(per_tensor, root / "bad-per-tensor", {"quantization_config": qc})
+    with pytest.raises(
+        ValueError, match=r"\.weight_scale: a per-tensor scale \(shape \(\)\), but "
+    ) as e:
+        LLM(str(bad), dtype="float32")
+    assert "weight_block_size [16, 16] expects" in str(e.value)
+    assert "_scale_inv of shape" in str(e.value)
 
 
 # ----------------------------------------------------------------------------- weights kept FP8
