@@ -255,6 +255,7 @@ class LLMEngine:
                     ),
                     token_bitmask=bitmask,
                     max_draft_depth=r.spec_max_depth if s.num_drafts and self.tree_drafts else None,
+                    **self._min_tokens_ban(r, sample),
                 )
             )
         return StepInput(steps, finished, propose_drafts)
@@ -416,6 +417,20 @@ class LLMEngine:
         if result is not None:
             self._fail(request.request_id, result)
         return None
+
+    @staticmethod
+    def _min_tokens_ban(request: Request, sample: bool) -> dict[str, Any]:
+        """The ``RequestStep`` fields that keep the stop tokens (EOS unless ignore_eos, and
+        stop_token_ids) out of the tokens before ``min_tokens`` is reached, as vLLM masks them:
+        the model cannot end early, and its drafts do not propose an end either."""
+        p = request.params
+        left = p.min_tokens - request.num_output_tokens
+        if not sample or left <= 0:
+            return {}
+        stops = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stops |= request.eos_token_ids
+        return {"min_tokens_left": left, "stop_token_ids": tuple(sorted(stops))} if stops else {}
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params

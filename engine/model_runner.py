@@ -311,6 +311,8 @@ class ModelRunner:
                     output_token_ids=r.output_token_ids,
                     generator=self._generator(r),
                     num_logprobs=0 if p.logprobs is None else max(1, p.logprobs),
+                    min_tokens_left=r.min_tokens_left,
+                    stop_token_ids=r.stop_token_ids,
                 )
             )
         return SamplingTensors.from_params(rows, self.vocab_size, self.device)
@@ -537,7 +539,9 @@ class ModelRunner:
             if self.grammars is not None:
                 masker = self.grammars.masker(inp.sampled, num_accepted, tokens)
             if masker is None:
-                propose = spec.propose if replay is None else replay.propose
+                # A min_tokens ban is eager work too (the captured draft loop has none).
+                eager = replay is None or st.stop_ban is not None
+                propose = spec.propose if eager else replay.propose
                 new_drafts = propose(*args)
             else:
                 # Masked drafting (structured output): the hook reads tensors on the host, so

@@ -9,7 +9,8 @@ computed by `SamplingTensors.from_params` out of the Python parameters.
 Semantics follow what users know from OpenAI / Hugging Face / vLLM:
 - presence / frequency penalties count OUTPUT tokens only (OpenAI);
 - repetition penalty covers prompt + output tokens: logit > 0 -> logit / p, else logit * p;
-- order for random rows: penalties -> temperature -> min_p -> top-k -> top-p -> softmax;
+- order for random rows: min_tokens' stop-token ban -> penalties -> temperature -> min_p ->
+  top-k -> top-p -> softmax (the speculative verifier bans per verified position first);
 - greedy rows (temperature 0) take the argmax of the penalised logits;
 - reported logprobs are those of the RAW model logits;
 - structured output: the model runner masks a constrained row's logits with its grammar's bitmask
@@ -44,6 +45,10 @@ class RowSamplingInfo:
     output_token_ids: list[int]
     generator: torch.Generator | None  # None -> default RNG
     num_logprobs: int  # 0 = none, N = chosen token's logprob + top-N
+    # min_tokens: the stop tokens (EOS unless ignore_eos, and stop_token_ids) are banned from
+    # the next ``min_tokens_left`` tokens (output indices n_out .. min_tokens - 1).
+    min_tokens_left: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -67,6 +72,10 @@ class SamplingTensors:
     no_min_p: bool
     no_penalties: bool
     max_num_logprobs: int  # 0 -> no logprobs in this batch
+    # min_tokens (``ban_stop_tokens``): [B, V] bool stop tokens of each row and [B] int64 how
+    # many tokens from the step's first they are banned for; None when no row bans any.
+    stop_ban: Tensor | None = None
+    stop_ban_left: Tensor | None = None
 
     @property
     def greedy_mask(self) -> Tensor:
@@ -107,6 +116,13 @@ class SamplingTensors:
         if rep_rows:
             prompt_ids = [(i, rows[i].prompt_token_ids) for i in rep_rows]
             prompt_mask = _scatter_ids(prompt_ids, shape, torch.bool, device)
+        ban_rows = [
+            (i, list(r.stop_token_ids)) for i, r in enumerate(rows) if r.min_tokens_left > 0
+        ]
+        stop_ban = stop_ban_left = None
+        if any(ids for _, ids in ban_rows):
+            stop_ban = _scatter_ids(ban_rows, shape, torch.bool, device)
+            stop_ban_left = vec([max(0, r.min_tokens_left) for r in rows], torch.int64)
 
         return cls(
             temperature=vec([0.0 if g else r.temperature for r, g in pairs], torch.float32),
@@ -127,6 +143,8 @@ class SamplingTensors:
             no_min_p=all(r.min_p <= 0.0 for r in rand),
             no_penalties=not pen_rows,
             max_num_logprobs=max(r.num_logprobs for r in rows),
+            stop_ban=stop_ban,
+            stop_ban_left=stop_ban_left,
         )
 
 
@@ -196,6 +214,30 @@ def apply_penalties(logits: Tensor, st: SamplingTensors) -> Tensor:
         logits = torch.where(seen, penalised, logits)
     logits = logits - st.frequency_penalty.unsqueeze(1) * counts.to(logits.dtype)
     return logits - st.presence_penalty.unsqueeze(1) * in_output.to(logits.dtype)
+
+
+def ban_stop_tokens(logits: Tensor, st: SamplingTensors, depths: Tensor | None = None) -> Tensor:
+    """``min_tokens``: each row's stop tokens at -inf in the columns before its min_tokens is
+    reached, as vLLM masks them (an answer that ended and goes on is not what was asked for).
+
+    logits: [B, C, V], column c predicting the token ``depths[b, c]`` after the step's first
+    (None: c; a draft tree's nodes sit at their depth), so a verified position is banned iff
+    its depth < ``stop_ban_left``. A row the ban would leave without a finite logit (a grammar
+    that allows only a stop token) keeps its logits. Returns a new tensor, or ``logits``."""
+    if st.stop_ban is None or st.stop_ban_left is None:
+        return logits
+    b, c, _ = logits.shape
+    if depths is None:
+        depths = torch.arange(c, device=logits.device).expand(b, c)
+    return mask_banned(logits, st.stop_ban, depths < st.stop_ban_left[:, None])
+
+
+def mask_banned(logits: Tensor, ban: Tensor, active: Tensor) -> Tensor:
+    """``logits`` [R, C, V] with the tokens ``ban`` [R, V] marks at -inf in the columns
+    ``active`` [R, C] marks; a row left without a finite logit keeps its logits."""
+    banned = logits.masked_fill(active[:, :, None] & ban[:, None, :], float("-inf"))
+    empty = (banned == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.where(empty, logits, banned)
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
@@ -333,10 +375,10 @@ def probs_for_rows(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def sample(logits: Tensor, st: SamplingTensors) -> SamplerOutput:
     """Sample one token per row from logits [B, V] (last position of each sequence)."""
-    if st.all_greedy and st.no_penalties and st.max_num_logprobs == 0:
+    if st.all_greedy and st.no_penalties and st.max_num_logprobs == 0 and st.stop_ban is None:
         return SamplerOutput(cpu_decode.argmax(logits), None, None, None)  # no float copy
     raw = logits.float()
-    penalised = apply_penalties(raw, st)
+    penalised = apply_penalties(ban_stop_tokens(raw[:, None], st)[:, 0], st)
     if st.all_greedy:
         token_ids = cpu_decode.argmax(penalised)
     else:

@@ -45,6 +45,10 @@ class RequestStep:
     # Draft trees: verify only the nodes at most this deep (the tokens left before max_tokens or
     # max_model_len); None: every node.
     max_draft_depth: int | None = None
+    # min_tokens: the next min_tokens_left tokens (verified positions and drafts) may not be
+    # one of stop_token_ids (EOS unless ignore_eos, and the request's stop_token_ids).
+    min_tokens_left: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

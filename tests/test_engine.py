@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoints import build_llama
 from tandem import LLM, SamplingParams
@@ -127,13 +128,43 @@ def test_stop_conditions(ckpt: Path, reference: list[list[int]]) -> None:
             [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         )
         assert out.outputs[0].token_ids == ref[:5] and out.outputs[0].finish_reason == "length"
-        # min_tokens suppresses an early stop token.
-        (out,) = llm.generate(
-            [PROMPTS[3]],
-            SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[0]], min_tokens=4),
-        )
-        assert len(out.outputs[0].token_ids) >= 4
         _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("min_tokens", [1, 4, 9])
+def test_min_tokens_bans_stop_tokens_as_transformers_does(
+    ckpt: Path, reference: list[list[int]], min_tokens: int
+) -> None:
+    """Before min_tokens the stop tokens (EOS and stop_token_ids) cannot be sampled at all, as
+    vLLM and transformers' ``min_new_tokens`` mask them: the output equals transformers' greedy
+    generate with the stop token as an EOS. (Letting the stop token through and not stopping
+    on it gave a model that had ended its answer and went on.)"""
+    import transformers as tf
+
+    ref = reference[3]
+    stop = ref[0]  # the model's greedy first token: the ban changes the output
+    params = SamplingParams(
+        temperature=0, max_tokens=24, stop_token_ids=[stop], min_tokens=min_tokens
+    )
+    with LLM(str(ckpt)) as llm:
+        (out,) = llm.generate([PROMPTS[3]], params)
+        eos = sorted({stop, *llm.tokenizer.convert_tokens_to_ids([llm.tokenizer.eos_token])})
+    model = tf.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = model.generate(
+            torch.tensor([PROMPTS[3]]),
+            attention_mask=torch.ones(1, len(PROMPTS[3]), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            min_new_tokens=min_tokens,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    want = hf[0, len(PROMPTS[3]) :].tolist()
+    got = out.outputs[0].token_ids
+    assert got == want
+    assert stop not in got[:min_tokens] and got[0] != stop
+    assert out.outputs[0].finish_reason == ("stop" if stop in got else "length")
 
 
 def test_top_logprobs(ckpt: Path) -> None:

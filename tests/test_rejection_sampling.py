@@ -63,3 +63,15 @@ def test_speculated_positions_match_plain_sampling(models) -> None:
         plain_hists.append(plain)
     # Power: the same test tells the two temperatures apart.
     assert _p_value(plain_hists[0][0], plain_hists[1][0]) < 1e-6
+    # min_tokens: the two likeliest tokens as stop tokens are banned at every verified position
+    # and from the drafts; what is left is still the (banned) target's distribution.
+    ban = np.argsort(plain_hists[0][0])[-2:].tolist()
+    params = SamplingParams(
+        temperature=0.7, max_tokens=3, min_tokens=3, stop_token_ids=ban, ignore_eos=True
+    )
+    plain, _ = _histograms(target, None, params)
+    specd, rate = _histograms(target, spec, params)
+    assert rate > 0.2
+    for j in range(2):
+        assert plain[j][ban].sum() == specd[j][ban].sum() == 0
+        assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])

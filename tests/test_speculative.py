@@ -794,3 +794,64 @@ def test_draft_serves_past_its_configs_positions(models, tmp_path: Path, method:
         (out,) = llm.generate([prompt], params)
     assert out.outputs[0].token_ids == want
     assert out.spec_stats.num_drafts > 0
+
+
+def _early_drafts(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], before: int
+) -> tuple[list[list[int]], list[set[int]]]:
+    """Step ``prompts`` through ``llm``: (each output, the draft tokens proposed for its output
+    indices below ``before``). A tree node's index is n_out + its depth - 1."""
+    engine = llm.engine
+    reqs = [
+        engine.add_request(f"r{i}", p, sp)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    early: list[set[int]] = [set() for _ in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for i, r in enumerate(reqs):
+            depths: list[int] = []
+            for parent in r.spec_parents or range(-1, len(r.spec_token_ids) - 1):
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+            n_out = len(r.output_token_ids)
+            early[i] |= {
+                t for t, d in zip(r.spec_token_ids, depths, strict=True) if n_out + d - 1 < before
+            }
+    return [list(r.output_token_ids) for r in reqs], early
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp-eagle", "mtp-vanilla", "eagle3-tree"])
+def test_min_tokens_bans_stops_in_verification_and_drafts(models, baseline, method: str) -> None:
+    """min_tokens under speculation: the stop tokens are banned at every verified position
+    before min_tokens (greedy output equal to no speculation) and from the drafts for those
+    positions (the draft-side check: verification would hide a banned draft). The stop tokens
+    are each prompt's first greedy tokens and the drafts a free run proposed early."""
+    target = "vanilla" if method == "mtp-vanilla" else "target"
+    ref = baseline[target]
+    m = 6
+    spec = _spec(models, method, 3)
+    free = [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)] * len(PROMPTS)
+    with LLM(str(models[target]), speculative_config=spec) as llm:
+        _, drafted = _early_drafts(llm, PROMPTS, free, m)
+    stops = [sorted({*r[:2], *d}) for r, d in zip(ref, drafted, strict=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=23, min_tokens=m, stop_token_ids=s) for s in stops
+    ]
+    with LLM(str(models[target])) as llm:
+        want = _tokens(llm.generate(PROMPTS, params))
+    with LLM(str(models[target]), speculative_config=spec) as llm:
+        got, early = _early_drafts(llm, PROMPTS, params, m)
+        sampled = [
+            SamplingParams(
+                temperature=1.0, max_tokens=m + 2, min_tokens=m, stop_token_ids=s, seed=i
+            )
+            for i, s in enumerate(stops)
+        ]
+        hot = _tokens(llm.generate(PROMPTS, sampled))
+    assert got == want
+    assert all(
+        out[0] != r[0] for out, r in zip(got, ref, strict=True)
+    )  # the ban changed the output
+    assert all(not (d & set(s)) for d, s in zip(early, stops, strict=True)), (early, stops)
+    assert sum(map(len, drafted)) > 0 and sum(map(len, early)) > 0
+    assert all(not set(out[:m]) & set(s) for out, s in zip(hot, stops, strict=True))

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.engine.sampler import SamplingTensors, probs_for_rows, token_bitmask_allowed
+from tandem.engine.sampler import (
+    SamplingTensors,
+    ban_stop_tokens,
+    mask_banned,
+    probs_for_rows,
+    token_bitmask_allowed,
+)
 from tandem.engine.speculative.draft_grammar import DraftMask
 from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
 from tandem.kernels import cpu_decode
@@ -101,6 +107,7 @@ class SpecDecoder:
         column C - 1: every request carries at most C - 1 drafts) → (num_accepted [B], tokens
         [B, K + 1])."""
         b, k1 = layout.rows.shape
+        logits = ban_stop_tokens(logits, st)  # column j: the token j after the step's first
         if meta.all_greedy:
             ids = widen_columns(cpu_decode.argmax(logits), k1)
             return accept_matching(ids, layout.drafts, layout.num_drafts)
@@ -290,7 +297,11 @@ class SpecDecoder:
             logits = draft.compute_logits(layer, picked_hidden).float()
             noise = None if draft_noise is None else draft_noise[len(drafts)]
             mask = None if draft_mask is None else draft_mask(len(drafts), drafts)
-            token, q = self._draft_token(logits, st, advanced, noise, mask)
+            # This draft is the token num_accepted + 1 + len(drafts) after the step's first.
+            ban = None
+            if st.stop_ban_left is not None:
+                ban = num_accepted + 1 + len(drafts) < st.stop_ban_left
+            token, q = self._draft_token(logits, st, advanced, noise, mask, ban)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
@@ -318,7 +329,7 @@ class SpecDecoder:
             emit(0, hidden)
             pos = layout.positions + num_accepted  # position of the picked row
             chain = None
-            fast = self.fast_chain and draft_mask is None
+            fast = self.fast_chain and draft_mask is None and st.stop_ban is None
             if fast and self.k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
@@ -380,23 +391,39 @@ class SpecDecoder:
         advanced: bool,
         noise: Tensor | None = None,
         mask: Tensor | None = None,
+        ban: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Argmax, or a sample from q when rejection sampling will need q (``noise``: [B, V]
         pre-drawn Exp(1) noise; None draws it here). ``mask``: [B, W] grammar bitmask over the
         target vocabulary; a row it leaves no draft-vocabulary token keeps its unmasked logits
-        (its draft is then cut or rejected like any forbidden one)."""
+        (its draft is then cut or rejected like any forbidden one). ``ban``: [B] bool, the rows
+        whose stop tokens are banned here (``min_tokens``; the stored q is the banned one)."""
         vocab = int(self.draft.config.vocab_size)
         if not advanced:
             if mask is not None:
                 logits = self.mask_draft_logits(logits, mask)
+            if ban is not None:
+                logits = self.ban_draft_stops(logits, st.stop_ban, ban)
             return self.draft.to_target_ids(cpu_decode.argmax(logits)), None
         full = self._to_target_vocab(logits)  # [B, V] target vocabulary
+        if ban is not None:
+            full = self.ban_draft_stops(full, st.stop_ban, ban)
         if mask is not None:
             allowed = token_bitmask_allowed(mask, vocab) & (full > float("-inf"))
             allowed |= ~allowed.any(dim=-1, keepdim=True)
             full = torch.where(allowed, full, float("-inf"))
         q = probs_for_rows(full, st)
         return sample_rows(q, st.generators, noise), q
+
+    def ban_draft_stops(self, logits: Tensor, ban: Tensor, rows: Tensor) -> Tensor:
+        """Draft logits [R, draft V or V] with each request's stop tokens (``ban`` [B, V], the
+        batch's ``stop_ban``; R = B * n rows, n per request) at -inf in the rows ``rows`` [R]
+        marks."""
+        ban = ban.repeat_interleave(logits.shape[0] // ban.shape[0], dim=0)
+        if logits.shape[-1] != ban.shape[-1]:  # the draft vocabulary
+            index = self._draft_vocab_index(logits.shape[-1])
+            ban = ban[:, index] if index is not None else ban
+        return mask_banned(logits[:, None], ban, rows[:, None])[:, 0]
 
     def mask_draft_logits(self, logits: Tensor, mask: Tensor) -> Tensor:
         """Draft-vocabulary logits [R, draft V] with the tokens a grammar bitmask [R, W] (target
@@ -481,6 +508,9 @@ def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
         output_token_counts=rep(st.output_token_counts),
         prompt_token_mask=rep(st.prompt_token_mask),
         generators=[g for g in st.generators for _ in range(n)],
+        # Verified positions differ in depth: the verifier bans them before (``ban_stop_tokens``).
+        stop_ban=None,
+        stop_ban_left=None,
     )
 
 

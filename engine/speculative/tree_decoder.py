@@ -30,13 +30,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.engine.sampler import SamplingTensors, probs_for_rows
+from tandem.engine.sampler import SamplingTensors, ban_stop_tokens, probs_for_rows
 from tandem.engine.speculative.decoder import (
     SpecDecoder,
     VerifyLayout,
@@ -97,6 +97,14 @@ def _scatter_rows(base: Tensor, rows: Tensor, values: Tensor, keep: Tensor) -> T
     idx = torch.where(keep, rows, t).reshape(-1)
     ext.scatter_(0, idx, values.reshape(-1).to(ext.dtype))
     return ext[:t]
+
+
+class StopBan(NamedTuple):
+    """``min_tokens`` in a tree's drafting: each request's stop tokens [B, V] are banned from
+    the nodes less than ``left`` [B] deep below the new root (depth 1: the root's children)."""
+
+    tokens: Tensor
+    left: Tensor
 
 
 class TreeDecoder(SpecDecoder):
@@ -219,7 +227,8 @@ class TreeDecoder(SpecDecoder):
         tree = layout.tree
         b, k1 = layout.rows.shape
         n = tree.num_nodes
-        wide = widen_columns(logits, k1)
+        depths = F.pad(tree.depths, (1, 0))[:, : logits.shape[1]]  # column 0: the root
+        wide = widen_columns(ban_stop_tokens(logits, st, depths), k1)
         if meta.all_greedy:
             acc = accept_tree_greedy(tree, cpu_decode.argmax(wide))
         else:
@@ -328,7 +337,10 @@ class TreeDecoder(SpecDecoder):
         ``draft_mask`` (structured output): each node's children are the top-k tokens its
         grammar allows after the node's path."""
         rows = (input_ids, positions, target_meta, draft_hidden, next_tokens, layout)
-        tree = self.next_tree(*rows, num_accepted, tokens, self.path, draft_mask)
+        ban = None
+        if st.stop_ban is not None and st.stop_ban_left is not None:
+            ban = StopBan(st.stop_ban, st.stop_ban_left - num_accepted - 1)
+        tree = self.next_tree(*rows, num_accepted, tokens, self.path, draft_mask, ban)
         self.keep_shapes(request_ids, *tree[1:])
         return tree[0]
 
@@ -354,11 +366,13 @@ class TreeDecoder(SpecDecoder):
         tokens: Tensor,
         path: Tensor,
         masker: DraftMasker | None = None,
+        ban: StopBan | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The next trees from this step's rows: (tokens, parents, depths [B, N], attention
         words [B, N + 1]). Device work only, no host reads and no state kept: what a CUDA graph
         captures (``path``: this step's accepted paths, a static buffer there). ``masker``
-        (eager steps with constrained requests only): grammar masks, read on the host."""
+        (eager steps with constrained requests only): grammar masks, read on the host.
+        ``ban`` (eager steps only): ``min_tokens``' stop tokens kept out of the shallow nodes."""
         rows = (input_ids, target_meta, draft_hidden, next_tokens, layout)
         step_tokens, hidden, gather_ids = self._step0_inputs(*rows, num_accepted, tokens, path)
         # Row pick: step 0's post-attention part only on the rows the tree grows from.
@@ -370,7 +384,7 @@ class TreeDecoder(SpecDecoder):
             hidden = self.draft(0, positions, step_tokens, hidden, target_meta)[gather_ids]
         root_pos = layout.positions + num_accepted + 1  # [B] the new root's position
         picked = target_meta.all_rank_num_picked  # attention DP: every rank's sampled rows
-        tree = self.draft_tree(hidden, root_pos, layout, picked, masker)
+        tree = self.draft_tree(hidden, root_pos, layout, picked, masker, ban)
         words = tree_attention_words(tree.ancestors)
         return tree.tokens, tree.parents, tree.depths, words
 
@@ -392,6 +406,7 @@ class TreeDecoder(SpecDecoder):
         layout: VerifyLayout,
         all_rank_num_picked: list[int] | None = None,
         masker: DraftMasker | None = None,
+        ban: StopBan | None = None,
     ) -> DraftTree:
         """The tree below each new root: hidden [B, H] is draft step 0's output at the row of
         the last accepted token (whose input token is the root's). ``all_rank_num_picked``:
@@ -400,7 +415,8 @@ class TreeDecoder(SpecDecoder):
         k = self.topk
         b, h = hidden.shape
         mask = None if masker is None else masker(0, [])  # feeds the emitted tokens
-        level = expand_level(*root_frontier(b, hidden.device), *self._children(hidden, b, 1, mask))
+        children = partial(self._children, ban=ban)
+        level = expand_level(*root_frontier(b, hidden.device), *children(hidden, b, 1, mask, 1))
         paths: list[list[list[int]]] = [[[]] for _ in range(b)]  # host: frontier node paths
         levels = [level]
         rows: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # per depth: tok, hid, word, pos
@@ -426,7 +442,8 @@ class TreeDecoder(SpecDecoder):
             out = self.frontier_forward(
                 layout, root_pos, tok_all, hid_all, word_all, pos_all, all_rank_num_picked
             )
-            level = expand_level(ids, scores, *self._children(out.reshape(b * k, h), b, k, mask))
+            kids = children(out.reshape(b * k, h), b, k, mask, depth + 1)
+            level = expand_level(ids, scores, *kids)
             levels.append(level)
         return build_tree(levels, self.k)
 
@@ -459,14 +476,24 @@ class TreeDecoder(SpecDecoder):
         return self.draft(*args, pick_rows=pick).view(b, k, h)
 
     def _children(
-        self, hidden: Tensor, b: int, f: int, mask: Tensor | None = None
+        self,
+        hidden: Tensor,
+        b: int,
+        f: int,
+        mask: Tensor | None = None,
+        depth: int = 1,
+        ban: StopBan | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Top-k children of ``b * f`` nodes: (tokens, log-probabilities) [B, F, topk], best
-        first, tokens in the target vocabulary. ``mask`` [B * F, W]: a grammar bitmask over the
-        target vocabulary (a node it leaves no draft token keeps its unmasked logits)."""
+        """Top-k children (at ``depth``) of ``b * f`` nodes: (tokens, log-probabilities) [B, F,
+        topk], best first, tokens in the target vocabulary. ``mask`` [B * F, W]: a grammar
+        bitmask over the target vocabulary (a node it leaves no draft token keeps its unmasked
+        logits)."""
         logits = self.draft.compute_logits(0, hidden).float()
         if mask is not None:
             logits = self.mask_draft_logits(logits, mask)
+        if ban is not None:
+            rows = (depth - 1 < ban.left).repeat_interleave(f)
+            logits = self.ban_draft_stops(logits, ban.tokens, rows)
         logprobs, ids = logits.log_softmax(dim=-1).topk(self.topk, dim=-1)
         tokens = self.draft.to_target_ids(ids)
         return tokens.view(b, f, self.topk), logprobs.view(b, f, self.topk)
