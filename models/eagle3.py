@@ -253,8 +253,13 @@ class Eagle3Draft(DraftHead):
         self, target: nn.Module, loaded: set[str], folder: str | os.PathLike
     ) -> None:
         """After ``load_weights``: share the target's embedding when the head's is a copy of it;
-        give the LM head the checkpoint lacks (the head's embedding when tied, else the
-        target's LM head; both need the target's vocabulary and width); check ``d2t``."""
+        give the LM head the checkpoint lacks; check ``d2t``.
+
+        A head without ``lm_head.weight`` reads the target's LM head, whatever its config's
+        ``tie_word_embeddings`` says (as vLLM does): Eagle3 training code gives the head an
+        LM head of its own, never tied to its embedding, and the flag is copied from the
+        target's config. Only a head of another width, whose own embedding is the one matrix
+        that fits, takes that embedding when it says tied. Both need the target's vocabulary."""
         own = self._modules.get("own_embed_tokens")
         theirs = target.model.embed_tokens
         values = not self.d2t.is_meta  # meta tensors (shape checks) hold none to compare
@@ -268,7 +273,8 @@ class Eagle3Draft(DraftHead):
             self.bind_target(target)
         vocab = int(target.config.vocab_size)
         if "lm_head.weight" not in loaded:
-            tied = self.layout.tie_word_embeddings
+            narrow = self.lm_head.weight.shape[1] != target.lm_head.weight.shape[1]
+            tied = self.layout.tie_word_embeddings and narrow and own is not None
             what = "the head's embedding (tie_word_embeddings)" if tied else "the target's"
             if self.draft_vocab_size != vocab:
                 raise ValueError(

@@ -71,7 +71,8 @@ class Eagle3Layout:
     qkv_bias: bool = False
     intermediate_size: int | None = None  # None: the config's intermediate_size
     own_embedding: bool = False  # the head carries embed_tokens (used instead of the target's)
-    tie_word_embeddings: bool = False  # no lm_head tensor: the LM head is the embedding
+    # With no lm_head tensor: a narrow head with its own embedding uses it (else the target's).
+    tie_word_embeddings: bool = False
     capture_layers: tuple[int, ...] | None = None  # output-of-layer indices from the checkpoint
     capture_source: str = ECFG_SOURCE
     capture_error: str | None = None  # the checkpoint's layers cannot be read unambiguously

@@ -139,8 +139,10 @@ def reference_drafts(
     hidden = torch.cat([hs[i + 1][0] for i in ids], -1) @ w["fc.weight"].T
     embed = w.get("embed_tokens.weight", hf.model.embed_tokens.weight.double())
     lm_head = w.get("lm_head.weight")
-    if lm_head is None:
-        lm_head = embed if cfg.get("tie_word_embeddings") else hf.lm_head.weight.double()
+    if lm_head is None:  # the target's, unless only the head's own (tied) embedding fits
+        narrow = cfg["hidden_size"] != hf.config.hidden_size
+        own = cfg.get("tie_word_embeddings") and narrow and "embed_tokens.weight" in w
+        lm_head = embed if own else hf.lm_head.weight.double()
     d2t = w.get("d2t", torch.zeros(lm_head.shape[0])).long()
     tokens, positions = [*prompt[1:], first_token], list(range(len(prompt)))
     drafts: list[int] = []
@@ -254,6 +256,11 @@ def _case(name: str, target: Path) -> tuple[Head, str, bool]:
     if name == "narrow-own-embedding-tied":
         head = random_eagle3_head(target, seed=16, hidden=32, own_embedding=True)
         return _drop(head, "lm_head.weight", tie_word_embeddings=True), "speculators", False
+    if name == "tied-config-no-lm-head":
+        # The flag is the (tied) target's config copied; the head was trained with an LM head
+        # of its own, equal to the target's: never the embedding (it read the embedding).
+        head = random_eagle3_head(target, seed=19)
+        return _drop(head, "lm_head.weight", tie_word_embeddings=True), "eagle3", False
     if name == "qwen3-qk-norm":
         return random_eagle3_head(target, seed=17, qk_norm=True, draft_vocab=200), "eagle3", False
     if name == "llama4-intermediate-size-mlp":
@@ -273,6 +280,7 @@ def _case(name: str, target: Path) -> tuple[Head, str, bool]:
         "modelopt-no-last-norm-no-hidden-norm",
         "modelopt-no-embedding-norm",
         "narrow-own-embedding-tied",
+        "tied-config-no-lm-head",
         "qwen3-qk-norm",
         "llama4-intermediate-size-mlp",
     ],
