@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from tandem.engine.async_llm import RequestGroup
@@ -25,7 +26,7 @@ from tandem.server.serving import (
 )
 from tandem.server.state import ServerState
 from tandem.server.tool_parsers import ToolParser, ToolStream
-from tandem.server.tools import ToolPlan, hermes_text, plan_tools, template_uses
+from tandem.server.tools import ToolPlan, call_format, calls_text, plan_tools, template_uses
 
 # SamplingParams' names -> this endpoint's names, for error messages.
 _PARAM_NAMES = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}
@@ -62,10 +63,13 @@ def render_chat_prompt(
             "messages",
         )
     knows_calls = template_uses(renderer.source, "tool_calls")
-    dicts = messages_for_template(messages, None if knows_calls else hermes_text)
+    override = state.settings.tool_call_parser
+    fmt = call_format(renderer.source, override)
+    as_text = None if knows_calls else partial(calls_text, call_format=fmt)
+    dicts = messages_for_template(messages, as_text)
     if tools is not None and tools.tools and not template_uses(renderer.source, "tools"):
         if tools.choice != "none":
-            system = tools.system_prompt()
+            system = tools.system_prompt(fmt)
             if dicts and dicts[0]["role"] == "system":
                 dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{system}"}
             else:

@@ -3,7 +3,8 @@ how its text becomes ``tool_calls``.
 
 - ``tool_choice`` ``"auto"`` (the default with tools): the tools reach the chat template (as
   ``tools``, Hugging Face's convention); a template that does not use them gets them in a system
-  message that teaches the Hermes format. The output is parsed with the template's format
+  message that teaches the format the output is parsed in (Hermes, or ``--tool-call-parser``'s),
+  and earlier calls written in that format. The output is parsed with the template's format
   (``server/tool_parsers.py``; ``--tool-call-parser`` overrides).
 - ``"required"`` or a named function: generation is constrained by a grammar (llguidance Lark
   with each function's parameters as a JSON schema) to calls in the format the output is parsed
@@ -31,17 +32,24 @@ from tandem.server.tool_parsers import (
 # JSON as a forced call writes it: no free whitespace (a sampled model cannot pad forever).
 _COMPACT = {"whitespace_flexible": False}
 
-_SYSTEM = """# Tools
+_TOOLS = """# Tools
 
 You may call one or more functions to assist with the user query. The functions:
 <tools>
 {tools}
 </tools>
 
-To call a function, write a JSON object with its name and arguments inside tags:
+"""
+# How each parser's format is taught to a model whose template does not render tools.
+_HOW_TO_CALL = {
+    "hermes": """To call a function, write a JSON object with its name and arguments inside tags:
 <tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>""",
+    "llama3_json": """To call a function, reply with only a JSON object with its name and parameters:
+{"name": <function-name>, "parameters": <args-json-object>}
+To call several, separate the objects with "; ".""",
+}
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,7 @@ class ToolPlan:
         return self.choice in ("required", "function")
 
     def call_format(self, template: str | None, override: str | None) -> str:
-        """The parser name the calls are written and read in: ``--tool-call-parser``, else the
-        template's; Hermes when the tools reach the model through our system message (which
-        teaches that format)."""
-        if override:
-            return override
-        if not template_uses(template, "tools"):
-            return "hermes"
-        return parser_name_for_template(template)
+        return call_format(template, override)
 
     def parser(self, template: str | None, override: str | None) -> ToolParser:
         return make_parser(self.call_format(template, override), self.names)
@@ -110,11 +111,11 @@ class ToolPlan:
         lines = [f"start: {calls}", f"call: {call}", *bodies]
         return StructuredSpec("grammar", "\n".join(lines), "tools")
 
-    def system_prompt(self) -> str:
-        """The tools for a template that does not render them itself."""
-        return _SYSTEM.format(
-            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
-        )
+    def system_prompt(self, call_format: str = "hermes") -> str:
+        """The tools for a template that does not render them itself, and how to call them in
+        ``call_format`` (the format the output is parsed in)."""
+        tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
+        return _TOOLS.format(tools=tools) + _HOW_TO_CALL[call_format]
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
@@ -129,19 +130,34 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None)
     return ToolPlan(dumped, choice, name, parallel is not False)
 
 
+def call_format(template: str | None, override: str | None) -> str:
+    """The parser name calls are written and read in: ``--tool-call-parser``, else the
+    template's; Hermes when the tools reach the model through our system message (which then
+    teaches that format)."""
+    if override:
+        return override
+    if not template_uses(template, "tools"):
+        return "hermes"
+    return parser_name_for_template(template)
+
+
 def template_uses(template: str | None, word: str) -> bool:
     return bool(template) and word in (template or "")
 
 
-def hermes_text(calls: list[dict[str, Any]]) -> str:
-    """An assistant message's ``tool_calls`` as Hermes text, for templates that ignore them."""
+def calls_text(calls: list[dict[str, Any]], call_format: str = "hermes") -> str:
+    """An assistant message's ``tool_calls`` as text in ``call_format`` (Hermes blocks, or Llama
+    3's objects joined by "; "), for templates that ignore them."""
     out = []
+    args_key = "parameters" if call_format == "llama3_json" else "arguments"
     for c in calls:
         fn = c["function"]
         try:
             args = json.loads(fn["arguments"])
         except (json.JSONDecodeError, TypeError):
             args = fn["arguments"]
-        body = json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
-        out.append(f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
-    return "\n".join(out)
+        body = json.dumps({"name": fn["name"], args_key: args}, ensure_ascii=False)
+        out.append(
+            body if call_format == "llama3_json" else f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
+        )
+    return ("; " if call_format == "llama3_json" else "\n").join(out)

@@ -4,6 +4,7 @@ error mapping, the CLI, sampling defaults and log-probability shapes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from types import SimpleNamespace
@@ -391,3 +392,45 @@ def test_the_http_socket_listens_at_once_and_its_connections_are_nodelay():
             return value
 
     assert asyncio.run(served_nodelay()) != 0
+
+
+@pytest.mark.parametrize("parser", [None, "hermes", "llama3_json"])
+def test_tools_reach_a_template_without_tools_in_the_parsers_format(parser):
+    """A template that does not render tools gets them in a system message that teaches the
+    format the output is parsed in, and earlier calls written in it: with --tool-call-parser
+    llama3_json it taught Hermes tags, so automatic calls never parsed."""
+    from tandem.server.chat import ChatRenderer
+    from tandem.server.protocol import ChatCompletionRequest
+    from tandem.server.serving_chat import render_chat_prompt
+    from tandem.server.tool_parsers import make_parser
+    from tandem.server.tools import plan_tools
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [
+        {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": messages, "tools": [tool]}
+    )
+    text = SimpleNamespace(encode=lambda t, add_special_tokens: t)  # the rendered text itself
+    state = SimpleNamespace(
+        renderer=ChatRenderer(template, text),
+        tokenizer=text,
+        settings=SimpleNamespace(tool_call_parser=parser),
+    )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompt = render_chat_prompt(state, req.messages, True, tools=plan)
+    fmt = parser or "hermes"
+    other = "hermes" if fmt == "llama3_json" else "llama3_json"
+    system = prompt.split("\n<user>")[0]
+    llama3 = '{"name": <function-name>, "parameters": <args-json-object>}'
+    hermes = '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    assert (llama3 in system, hermes in system) == (fmt == "llama3_json", fmt == "hermes")
+    earlier = prompt.split("<assistant>")[1].split("\n<tool>")[0]
+    (parsed,) = make_parser(fmt, {"add"}).parse(earlier).tool_calls
+    assert (parsed.name, json.loads(parsed.arguments)) == ("add", {"a": 1})
+    assert not make_parser(other, {"add"}).parse(earlier).tool_calls
