@@ -93,6 +93,12 @@ class InputProcessor:
                 f"{room} that remain"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > max_tokens:  # an explicit max_tokens was checked already
+            raise ValueError(
+                f"min_tokens={params.min_tokens!r} is invalid: must be in [0, max_tokens], and "
+                f"max_tokens left out is {max_tokens} here (the maximum context length "
+                f"{self.max_model_len} less the prompt's {len(ids)} tokens)"
+            )
         if self.speculative and params.uses_penalties:
             raise ValueError(
                 "presence_penalty, frequency_penalty and repetition_penalty are not supported "

@@ -14,7 +14,7 @@ import socket
 import httpx
 import pytest
 
-from server_utils import RemoteServer, tiny_model, wait_until
+from server_utils import MAX_MODEL_LEN, RemoteServer, tiny_model, wait_until
 
 PROMPT = "Hello world!"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -135,6 +135,20 @@ def test_wrong_types(http, field, value):
 )
 def test_out_of_range_values(http, field, value):
     assert_openai_error(completion(http, **{field: value}), 400, field)
+
+
+def test_min_tokens_past_the_max_tokens_a_request_gets(http):
+    """With max_tokens left out a request gets the context left after its prompt: min_tokens
+    past that is the same 400 as past an explicit max_tokens (it returned 200 and stopped at
+    the context length)."""
+    for value in (10**30, MAX_MODEL_LEN):
+        err = assert_openai_error(completion(http, min_tokens=value), 400, "min_tokens")
+        assert "must be in [0, max_tokens]" in err["message"], err
+        err = assert_openai_error(chat(http, min_tokens=value), 400, "min_tokens")
+        assert "max_tokens left out is" in err["message"], err
+    assert_openai_error(completion(http, min_tokens=5, max_tokens=4), 400, "min_tokens")
+    ok = completion(http, min_tokens=3, max_tokens=3, ignore_eos=False)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
 def test_context_length(http):
