@@ -69,6 +69,26 @@ def test_prefix_caching_hits_and_keeps_outputs(ckpt: Path, reference: list[list[
         _assert_all_blocks_free(llm)
 
 
+def test_a_cached_block_is_reused_only_after_the_same_prefix(ckpt: Path) -> None:
+    """A block's key chains its parent's: after X+S+T is cached, S+T (S now first) and X'+S+T
+    (another first block) hit nothing, and their output equals a run without prefix caching.
+    A key built without the parent reused S's KV, computed after X, at another position."""
+    x, x2 = list(range(10, 26)), list(range(200, 216))
+    s, t = list(range(30, 46)), list(range(50, 70))
+    prompts = [x + s + t, s + t, x2 + s + t]
+    with LLM(str(ckpt), enable_prefix_caching=False) as llm:
+        want = _tokens(llm.generate(prompts, GREEDY))
+    with LLM(str(ckpt)) as llm:
+        got = _tokens(llm.generate(prompts[:1], GREEDY))
+        hits = llm.engine.get_stats().prefix_cache_hits
+        for prompt in prompts[1:]:
+            got += _tokens(llm.generate([prompt], GREEDY))
+            assert llm.engine.get_stats().prefix_cache_hits == hits  # no block matched
+        again = _tokens(llm.generate(prompts[:1], GREEDY))
+        assert llm.engine.get_stats().prefix_cache_hits > hits  # X+S+T itself is cached
+    assert got == want and again == want[:1]
+
+
 def test_preemption_keeps_greedy_outputs(ckpt: Path, reference: list[list[int]]) -> None:
     # 12 blocks of 16 tokens cannot hold the five requests at once (they need 19).
     with LLM(str(ckpt), num_kv_blocks=12, max_model_len=128) as llm:
