@@ -201,3 +201,32 @@ def test_tree_passes_pick_the_rows_expanded_next(folders, monkeypatch) -> None:
     # prompt row at first (23), and the frontier passes' depth x topk rows per request (8).
     assert max(picked) == 4 and 2 in picked
     assert unpicked[0] == 23 and 8 in unpicked
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["cpu-fast-path", "eager"])
+def test_chain_drafts_equal_those_without_row_pick(folders, monkeypatch, method, fast) -> None:
+    """Chains (K = 3, greedy): every step's drafts, and the output, equal those with row
+    picking off, for prompts of different lengths (which rows step 0 picks, not only how
+    many: an off-by-one in the picked rows passed the row counts)."""
+    monkeypatch.setenv("TANDEM_CPU_FAST_DECODE", fast)
+    target, draft = folders
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(draft)
+    prompts = [list(range(10, 30)), [5, 6, 7], list(range(40, 77)), [9]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for disable in (False, True):
+        with LLM(
+            str(target), speculative_config={**spec, "disable_draft_row_pick": disable}
+        ) as llm:
+            engine = llm.engine
+            reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+            drafts = []
+            while engine.has_unfinished_requests():
+                engine.step()
+                drafts.append([list(r.spec_token_ids) for r in reqs])
+            runs[disable] = ([r.output_token_ids for r in reqs], drafts)
+    assert runs[False] == runs[True]
+    assert sum(len(d) for step in runs[False][1] for d in step) > 0
