@@ -14,13 +14,10 @@ The offline API, loaded on first use so that ``import tandem`` stays light::
 
 from __future__ import annotations
 
-from importlib import import_module, metadata
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = metadata.version("tandem-serve")
-except metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
+from tandem.version import __version__
 
 # Public name -> the module that defines it.
 _EXPORTS = {

@@ -340,7 +340,7 @@ class TransformersSystem:
         import torch
         import transformers as tf
 
-        from tandem.engine.llm_engine import as_id_set
+        from tandem.engine.tokenizer import as_id_set
 
         dtype = getattr(torch, cfg.dtype)
         self.dev = torch.device(cfg.device)

@@ -62,7 +62,7 @@ def tree_inputs(s: Setup, decoder: Any, b: int) -> TreeInputs:
     position context - 1, each verifying a tree the draft head drafts from a random state."""
     import torch
 
-    from tandem.engine.speculative.decoder import VerifyLayout
+    from tandem.engine.speculative.interface import VerifyLayout
     from tandem.engine.speculative.tree import tree_attention_words
 
     n, ctx, dev = decoder.k, s.args.context, s.device

@@ -34,10 +34,10 @@ from tandem.engine.engine_core import (
     run_engine_core,
 )
 from tandem.engine.input_processor import InputProcessor
-from tandem.engine.llm_engine import load_tokenizer
 from tandem.engine.outputs import EngineStats, OutputAssembly, OutputDelta, RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from tandem.engine.async_llm import (
 from tandem.engine.block_manager import block_hash
 from tandem.engine.config import EngineArgs, EngineConfig
 from tandem.engine.engine_core import EngineInfo
-from tandem.engine.llm_engine import load_tokenizer
 from tandem.engine.outputs import EngineStats
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

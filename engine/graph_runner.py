@@ -39,8 +39,7 @@ from torch import Tensor
 
 from tandem.engine.cuda_graph import ADVANCED, GREEDY, SAMPLED, GraphKey, dummy_kv_tokens
 from tandem.engine.sampler import SamplingTensors
-from tandem.engine.speculative.decoder import VerifyLayout
-from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import PreparedInputs, StepInput
 from tandem.kernels.paged_attention import build_attention_plan, gpu_paths

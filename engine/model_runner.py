@@ -29,9 +29,9 @@ from tandem.engine.sampler import (
     compute_logprobs,
     sample,
 )
-from tandem.engine.speculative.decoder import SpecDecoder, VerifyLayout, widen_columns
+from tandem.engine.speculative.decoder import SpecDecoder, widen_columns
 from tandem.engine.speculative.draft_grammar import DraftGrammars
-from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import (
     ADP_DUMMY_REQUEST_ID,

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tandem import __version__
 from tandem.engine.config import EngineConfig, ParallelConfig, split_host_port
 from tandem.engine.speculative.interface import DISABLE_ROW_PICK_ENV, row_pick_disabled_by_env
-from tandem.models.loader import checkpoint_digest
+from tandem.models.checkpoint import checkpoint_digest
+from tandem.version import __version__
 
 KEY = "tandem/launch/"
 VERDICT_KEY = KEY + "verdict"

@@ -16,8 +16,7 @@ from tandem.engine.cuda_graph import GraphKey
 from tandem.engine.request import TokenLogprobs
 from tandem.engine.sampler import SamplingTensors
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.speculative.decoder import VerifyLayout
-from tandem.engine.speculative.interface import SpecMetadata
+from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
 from tandem.models.attention import AttentionMetadata
 
 

@@ -17,6 +17,7 @@ from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
 from tandem.engine.structured_output import GrammarCompiler
+from tandem.engine.tokenizer import load_tokenizer, model_eos_token_ids
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.layers import (
     cover_positions,
@@ -111,9 +112,6 @@ def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -
 def grammar_compiler(config: EngineConfig) -> GrammarCompiler:
     """A rank's own grammar compiler for masked drafting, built as the engine builds its own
     (the model's tokenizer and end-of-sequence ids): the engine's matchers cannot travel here."""
-    # Imported here: the engine module imports the executor, which imports this one.
-    from tandem.engine.llm_engine import load_tokenizer, model_eos_token_ids
-
     mc = config.model_config
     tokenizer = load_tokenizer(mc.tokenizer)
     return GrammarCompiler(tokenizer, mc.vocab_size, model_eos_token_ids(mc, tokenizer))

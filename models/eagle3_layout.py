@@ -31,6 +31,8 @@ from typing import Any
 
 from safetensors import safe_open
 
+from tandem.models.checkpoint import safetensors_files
+
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 LAYER_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # the head's decoder layers
@@ -110,7 +112,6 @@ def _ids(eagle_config: Any) -> tuple[int, ...] | None:
 
 def checkpoint_tensors(folder: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Every tensor's name (``model.`` prefix dropped) and shape, read from the headers."""
-    from tandem.models.loader import safetensors_files
 
     out: dict[str, tuple[int, ...]] = {}
     for f in safetensors_files(folder):

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem import __version__
 from tandem.engine.async_llm import RequestGroup
 from tandem.engine.config import EngineArgs
 from tandem.server.errors import (
@@ -44,6 +43,7 @@ from tandem.server.serving import (
 from tandem.server.serving_chat import ChatHandler, render_chat_prompt
 from tandem.server.serving_completion import CompletionHandler
 from tandem.server.state import ServerSettings, ServerState
+from tandem.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tandem import __version__
+from tandem.version import __version__
 
 if TYPE_CHECKING:
     from tandem.engine.config import EngineArgs

@@ -23,12 +23,8 @@ from checkpoints import build_llama
 from tandem import LLM, EngineArgs, LLMEngine, SamplingParams
 from tandem.engine.distributed import LaunchEnv, collective_timeout
 from tandem.engine.executor import MultiProcExecutor, RankFailedError, make_executor
-from tandem.models.loader import (
-    check_complete,
-    iterate_checkpoint,
-    load_hf_config,
-    safetensors_files,
-)
+from tandem.models.checkpoint import iterate_checkpoint, safetensors_files
+from tandem.models.loader import check_complete, load_hf_config
 from tandem.models.parallel import ParallelMapping
 from tandem.models.registry import resolve_model_class
 

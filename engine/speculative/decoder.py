@@ -23,26 +23,17 @@ from tandem.engine.sampler import (
     token_bitmask_allowed,
 )
 from tandem.engine.speculative.draft_grammar import DraftMask
-from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
+from tandem.engine.speculative.interface import (
+    ROW_PICK_RESOLVER,
+    DraftRowPick,
+    SpecMetadata,
+    VerifyLayout,
+)
 from tandem.kernels import cpu_decode
 from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
 from tandem.kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping, adp_lm_head_tp_argmax
-
-
-@dataclass
-class VerifyLayout:
-    """Where each sampled request's verify rows sit in the step's rows."""
-
-    rows: Tensor  # [B, K + 1] row index of verify position j (clamped past num_drafts)
-    drafts: Tensor  # [B, K] draft tokens being verified (0-padded)
-    num_drafts: Tensor  # [B]
-    first_row: Tensor  # [B] row of the last accepted token (verify position 0)
-    positions: Tensor  # [B] position of that row
-    block_tables: Tensor  # [B, max_blocks] of the sampled requests
-    row_owner: Tensor  # [T] index of the sampled request owning each row, -1 for other rows
-    max_seq_len: int  # host bound on any sampled request's KV length after the draft loop
 
 
 @dataclass

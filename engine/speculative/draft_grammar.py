@@ -22,20 +22,18 @@ its path (``DraftMasker.node_masks``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from tandem.engine.step import RequestStep
 from tandem.engine.structured_output import (
     COMPILE_THREADS,
     GrammarCompiler,
     StructuredOutputError,
     StructuredSpec,
 )
-
-if TYPE_CHECKING:  # the step's types import the decoder, which imports this module
-    from tandem.engine.step import RequestStep
 
 # What a draft loop calls before choosing draft position j: (j, the drafts so far, each [B])
 # -> [B, W] int32 bitmask (all ones for unconstrained rows), or None for no mask.

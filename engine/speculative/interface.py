@@ -1,4 +1,5 @@
-"""Speculative-decoding contracts shared by the runner, the sampler and the draft layers.
+"""Speculative-decoding contracts shared by the runner, the sampler and the draft layers, and
+the step's verify layout (``VerifyLayout``), which the step types carry and the decoders read.
 
 ``SpecMetadata.wants_advanced_draft_sampling`` is the one predicate that decides whether draft
 tokens are sampled (rejection sampling needs q) or taken by argmax; every branch reads it, so
@@ -13,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from tandem.models.parallel import ParallelMapping
 
@@ -124,3 +125,17 @@ class DraftRowPick:
 
 
 ROW_PICK_RESOLVER = DraftRowPick()
+
+
+@dataclass
+class VerifyLayout:
+    """Where each sampled request's verify rows sit in the step's rows."""
+
+    rows: Tensor  # [B, K + 1] row index of verify position j (clamped past num_drafts)
+    drafts: Tensor  # [B, K] draft tokens being verified (0-padded)
+    num_drafts: Tensor  # [B]
+    first_row: Tensor  # [B] row of the last accepted token (verify position 0)
+    positions: Tensor  # [B] position of that row
+    block_tables: Tensor  # [B, max_blocks] of the sampled requests
+    row_owner: Tensor  # [T] index of the sampled request owning each row, -1 for other rows
+    max_seq_len: int  # host bound on any sampled request's KV length after the draft loop

@@ -60,7 +60,7 @@ def eagle3_config(
 
 def head_vocab_ids(folder: str | os.PathLike) -> torch.Tensor:
     """The draft vocabulary (target ids, sorted) of a saved Eagle3 head, from its ``d2t``."""
-    from tandem.models.loader import find_tensor, safetensors_files
+    from tandem.models.checkpoint import find_tensor, safetensors_files
 
     d2t = find_tensor(safetensors_files(folder), "d2t")
     if d2t is None:
@@ -187,7 +187,7 @@ class Eagle3Head:
         target's rows of the carried tokens to their saved rows (least squares): the saved
         head's final norm and output geometry have moved away from the target's, so the
         target's own rows would start the new tokens off scale."""
-        from tandem.models.loader import iterate_checkpoint, safetensors_files
+        from tandem.models.checkpoint import iterate_checkpoint, safetensors_files
 
         old_ids = head_vocab_ids(folder)
         same = torch.equal(old_ids, self.vocab_ids)

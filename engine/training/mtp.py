@@ -117,7 +117,7 @@ class MTPHead:
 
     def load_head(self, folder: str | os.PathLike) -> None:
         """Start from a saved MTP head's weights (and keep its draft vocabulary, if any)."""
-        from tandem.models.loader import find_tensor, iterate_checkpoint, safetensors_files
+        from tandem.models.checkpoint import find_tensor, iterate_checkpoint, safetensors_files
 
         first = int(self.target_config.num_hidden_layers)
         self.d2t = find_tensor(safetensors_files(folder), "d2t")
