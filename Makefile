@@ -39,7 +39,7 @@ $(IMAGE_TRITON_STAMP): $(STAMP) Dockerfile
 # Triton: registers, spills, shared memory per variant; fails on a compile error, shared memory
 # over the target's limit or spills. AOT_ARGS e.g. --subset, --targets 90, --out report.json.
 gpu-aot: setup
-	PYTHONPATH=$(IMAGE_TRITON_DIR) $(BIN)/python -m tandem.kernels.aot $(AOT_ARGS)
+	PYTHONPATH=$(IMAGE_TRITON_DIR) $(BIN)/python -m tandem.bench.aot $(AOT_ARGS)
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)

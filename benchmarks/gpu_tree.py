@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from tandem.bench.gpu import (
+from tandem.bench.gpu_setup import (
     BLOCK_SIZE,
     Setup,
     StepInputs,

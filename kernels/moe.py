@@ -417,7 +417,7 @@ def _moe_experts_triton(
     pair_w = weights.reshape(-1).float().contiguous()
     block_n, block_k = (64, 32) if x.is_cuda else (16, 16)
     # Eight warps, and half-width tiles for the gated GEMM (two accumulators): otherwise both
-    # GEMMs spill on sm_80 and sm_90 (python -m tandem.kernels.aot).
+    # GEMMs spill on sm_80 and sm_90 (python -m tandem.bench.aot).
     options = {"num_warps": 8} if x.is_cuda else {}
     gate_n = block_n // 2 if x.is_cuda else block_n
     num_blocks = block_expert.shape[0]

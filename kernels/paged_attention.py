@@ -703,7 +703,7 @@ def attention_tiles(
     GPU: 64 query rows (tokens x GQA group) and 64 KV positions per tile. Heads up to 128 wide
     are one chunk (queries loaded once); wider ones (MLA's 576) go in 64-wide chunks for the
     scores and 64-wide value chunks, one per program, so no tile exceeds 128 x 64 and nothing
-    spills (``python -m tandem.kernels.aot`` checks every variant for sm_80 / sm_90: registers,
+    spills (``python -m tandem.bench.aot`` checks every variant for sm_80 / sm_90: registers,
     spills, shared memory). Eight warps where the tiles are large. The interpreter is slow per
     element: 16-row tiles there, and 32-wide chunks, so heads wider than 32 run the chunked
     code paths in the interpreter tests. ``tree``: the tree-mask variant; its per-tile bit

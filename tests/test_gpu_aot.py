@@ -17,7 +17,7 @@ from triton_utils import run_in_fresh_interpreter
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_TRITON = ROOT / ".venv" / "triton-image"
 
-aot = pytest.importorskip("tandem.kernels.aot")
+aot = pytest.importorskip("tandem.bench.aot")
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_within_limits(tmp_path: Path) -
             filter(None, [str(IMAGE_TRITON), env.get("PYTHONPATH")])
         )
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem.kernels.aot", "--subset", "--targets", "80", "90",
+        [sys.executable, "-m", "tandem.bench.aot", "--subset", "--targets", "80", "90",
          "--out", str(report)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

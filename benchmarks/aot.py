@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of every Triton kernel in the package for real GPU targets, on any
-machine (no GPU needed): ``python -m tandem.kernels.aot`` (``make gpu-aot``).
+machine (no GPU needed): ``python -m tandem.bench.aot`` (``make gpu-aot``).
 
 The variants are the ones the code dispatches, not a hand-kept list: the kernels' own entry
 points (``write_kv_cache``, ``paged_attention``, ``grouped_topk``, ``moe_experts``,
@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from tandem.bench.shapes import MODELS, PRESET_MODEL
 from tandem.engine.presets import PRESETS_DIR, load_preset
 
 # Per-block shared memory a kernel may use (opt-in maximum): A100 163 KiB, H100/H200 and B200
@@ -53,31 +54,6 @@ TARGETS = {80: 166_912, 90: 232_448, 100: 232_448}
 # worth (hundreds of bytes) is not.
 SPILL_LIMIT_BYTES = 64
 
-# The models the shipped presets serve (their Hugging Face config values).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(heads=9, kv_heads=3, head_dim=64, vocab=49152, hidden=576),
-    "llama3.1-8b": dict(heads=32, kv_heads=8, head_dim=128, vocab=128256, hidden=4096),
-    "qwen3-8b": dict(heads=32, kv_heads=8, head_dim=128, vocab=151936, hidden=4096),
-    "deepseek-v3": dict(
-        heads=128,
-        kv_lora_rank=512,
-        rope_dim=64,
-        vocab=129280,
-        hidden=7168,
-        experts=256,
-        top_k=8,
-        n_group=8,
-        topk_group=4,
-        moe_inter=2048,
-        fp8_block=(128, 128),  # the released weights are FP8 in 128 x 128 blocks
-    ),  # fmt: skip
-}
-PRESET_FAMILY = {
-    "cpu": "smollm2-135m",
-    "llama3.1-8b-eagle3": "llama3.1-8b",
-    "qwen3-8b-eagle3": "qwen3-8b",
-    "deepseek-v3-mtp-tp8": "deepseek-v3",
-}
 KS = range(1, 9)
 TREE_NODES = (4, 8, 16, 63)  # num_draft_tokens of draft trees
 DTYPES = (torch.bfloat16, torch.float16)
@@ -118,14 +94,14 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
     for path in sorted(PRESETS_DIR.glob("*.yaml")):
         if names and path.stem not in names:
             continue
-        if path.stem not in PRESET_FAMILY:
-            raise ValueError(f"preset {path.stem}: add the model it serves to PRESET_FAMILY")
+        if path.stem not in PRESET_MODEL:
+            raise ValueError(f"preset {path.stem}: add the model it serves to PRESET_MODEL")
         p = load_preset(path)
         spec = p.get("speculative_config") or {}
         shapes.append(
             Shape(
                 preset=path.stem,
-                family=PRESET_FAMILY[path.stem],
+                family=PRESET_MODEL[path.stem],
                 tp=int(p.get("tensor_parallel_size", 1)),
                 adp=bool(p.get("enable_attention_dp", False)),
                 k=int(spec.get("num_speculative_tokens", 3)),
@@ -249,7 +225,26 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
         rejection_sample,
     )
 
-    f = FAMILIES[shape.family]
+    c = MODELS[shape.family]
+    f = {  # the values the kernels see, by short names
+        "heads": c["num_attention_heads"],
+        "kv_heads": c.get("num_key_value_heads"),
+        "head_dim": c.get("head_dim"),
+        "vocab": c["vocab_size"],
+        "hidden": c["hidden_size"],
+    }
+    if "kv_lora_rank" in c:
+        f.update(kv_lora_rank=c["kv_lora_rank"], rope_dim=c["qk_rope_head_dim"])
+    if "n_routed_experts" in c:
+        f.update(
+            experts=c["n_routed_experts"],
+            top_k=c["num_experts_per_tok"],
+            n_group=c["n_group"],
+            topk_group=c["topk_group"],
+            moe_inter=c["moe_intermediate_size"],
+        )
+    if "fp8_block" in c:
+        f["fp8_block"] = c["fp8_block"]
     dev = "cuda"
 
     def empty(*size: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -493,7 +488,7 @@ def _cell(x: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m tandem.kernels.aot", description=__doc__.split("\n\n")[0]
+        prog="python -m tandem.bench.aot", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--subset", action="store_true", help="every kernel once per target (fast)")
     ap.add_argument("--presets", nargs="*", help="only these presets (default: all shipped)")
