@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from tandem.models.device import resolve_device
+
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
@@ -398,16 +400,6 @@ class EngineConfig:
     device: torch.device
     speculative_config: SpeculativeConfig | None = None
     graph_config: CUDAGraphConfig = CUDAGraphConfig()
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device={device!r} is invalid: use auto, cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available")
-    return torch.device(device)
 
 
 @dataclass

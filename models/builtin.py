@@ -86,8 +86,8 @@ def builtin_default_dtype(device: str = "auto") -> str:
     118.2 against 90.5 with Eagle3), else float32 (eager bf16 products on a CPU without it are
     slower than fp32). ``--dtype float32`` keeps the exact parity with ``transformers``' GGUF
     load."""
-    from tandem.engine.config import resolve_device
     from tandem.kernels import cpu_decode
+    from tandem.models.device import resolve_device
 
     if resolve_device(device).type == "cuda":
         return "bfloat16"
