@@ -31,7 +31,7 @@ from typing import Any
 
 from tandem.bench.support import BenchError, LocalServer, plot_runs, require_matplotlib
 
-EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "engine/training/data/eval_prompts.jsonl"
+EVAL_PROMPTS = Path(__file__).resolve().parent.parent / "training/data/eval_prompts.jsonl"
 DEFAULT_TEXT_MAX_TOKENS = 256  # eval / jsonl prompts without their own max_tokens
 DEFAULT_RANDOM_NUM_PROMPTS = 100
 METRIC_PREFIX = "tandem:spec_decode_"

@@ -219,8 +219,8 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def add_train_draft_parser(sub: Any) -> None:
-    """``tandem train-draft``: train or evaluate an Eagle3 / MTP head (engine/training/)."""
-    from tandem.engine.training.cli import add_train_draft_parser as add
+    """``tandem train-draft``: train or evaluate an Eagle3 / MTP head (training/)."""
+    from tandem.training.cli import add_train_draft_parser as add
 
     add(sub)
 
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return (bench_serve if ns.bench_command == "serve" else bench_compare).main(ns)
     if ns.command == "train-draft":
-        from tandem.engine.training.cli import run_train_draft
+        from tandem.training.cli import run_train_draft
 
         return run_train_draft(ns)
     parser.error(f"unknown command {ns.command!r}")

@@ -46,8 +46,8 @@ RUNTIME_DATA = (
     "models/heads/smollm2-135m-instruct-eagle3/model.safetensors",
     "models/heads/smollm2-135m-instruct-eagle3/config.json",
     "models/heads/smollm2-135m-instruct-mtp/model.safetensors",
-    "engine/training/data/train_prompts.jsonl",
-    "engine/training/data/builtin_answers.jsonl.gz",
+    "training/data/train_prompts.jsonl",
+    "training/data/builtin_answers.jsonl.gz",
 )
 # The checkout's top-level folders the package maps (pyproject.toml [tool.setuptools.package-dir]).
 PACKAGE_FOLDERS = {"engine": "engine", "server": "server", "kernels": "kernels", "models": "models"}

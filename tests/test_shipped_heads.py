@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.training.data import load_prompts
-from tandem.engine.training.evaluate import evaluate_head
 from tandem.models.builtin import builtin_model_path
 from tandem.models.heads import builtin_speculative_config
+from tandem.training.data import load_prompts
+from tandem.training.evaluate import evaluate_head
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ FLOORS = {"eagle3": 1.70, "mtp": 1.48}
 @pytest.fixture(scope="module")
 def baseline() -> tuple[list[str], list[list[int]]]:
     from tandem import LLM, SamplingParams
-    from tandem.engine.training.data import chat_prompt_ids
+    from tandem.training.data import chat_prompt_ids
 
     prompts = load_prompts(name="eval")[:NUM_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

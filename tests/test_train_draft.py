@@ -13,8 +13,8 @@ import torch
 
 from checkpoints import build_llama
 from tandem import LLM, SamplingParams
-from tandem.engine.training import data as D
-from tandem.engine.training.trainer import STATE_FILE, TrainArgs, train_draft
+from tandem.training import data as D
+from tandem.training.trainer import STATE_FILE, TrainArgs, train_draft
 
 PROMPTS = ["Hello world!", "Paris is the capital", "tokens, blocks, caches", "How are you?"]
 METHODS = ("eagle3", "mtp")
@@ -202,10 +202,10 @@ def test_training_forward_drafts_what_the_engine_drafts(
 ) -> None:
     """The training unroll, fed its own argmax, proposes exactly the engine's drafts at every
     step: same capture layers, hidden inputs, positions and draft attention pattern."""
-    from tandem.engine.training.evaluate import load_trained_head
-    from tandem.engine.training.features import compute_features
-    from tandem.engine.training.ttt import dense_attention, unroll_draft
     from tandem.models.loader import load_model
+    from tandem.training.evaluate import load_trained_head
+    from tandem.training.features import compute_features
+    from tandem.training.ttt import dense_attention, unroll_draft
 
     model = load_model(str(target), dtype=torch.float32)
     head = load_trained_head(method, str(trained[method]), model, str(target))
@@ -234,8 +234,8 @@ def test_offline_simulation_agrees_with_the_engine(
 ) -> None:
     """Walking the engine's own greedy outputs with the training forward's drafts gives the
     engine's tokens per step (up to how the last step before max_tokens is counted)."""
-    from tandem.engine.training.evaluate import load_trained_head, simulate_greedy_speculation
     from tandem.models.loader import load_model
+    from tandem.training.evaluate import load_trained_head, simulate_greedy_speculation
 
     params = SamplingParams(temperature=0, max_tokens=30)
     with LLM(str(target), speculative_config=_spec(trained, method)) as llm:
@@ -254,10 +254,10 @@ def test_offline_simulation_agrees_with_the_engine(
 
 def test_eagle3_input_scale_folds_into_fc(target: Path, tmp_path: Path) -> None:
     """fc trains on unit-scale inputs; the saved fc applies the scale itself: same map."""
-    from tandem.engine.training.eagle3 import Eagle3Head
-    from tandem.engine.training.evaluate import load_trained_head
-    from tandem.engine.training.features import Features
     from tandem.models.loader import load_model
+    from tandem.training.eagle3 import Eagle3Head
+    from tandem.training.evaluate import load_trained_head
+    from tandem.training.features import Features
 
     model = load_model(str(target), dtype=torch.float32)
     head = Eagle3Head(model, torch.arange(0, 320, 2), (1, 2, 3))
@@ -284,8 +284,8 @@ def test_new_vocab_carries_the_shared_lm_head_rows(
 
     from safetensors.torch import load_file, save_file
 
-    from tandem.engine.training.eagle3 import Eagle3Head, head_vocab_ids
     from tandem.models.loader import load_model
+    from tandem.training.eagle3 import Eagle3Head, head_vocab_ids
 
     old = head_vocab_ids(trained["eagle3"])
     model = load_model(str(target), dtype=torch.float32)
@@ -383,7 +383,7 @@ def test_mtp_fine_tune_keeps_the_heads_draft_vocabulary(
 def test_feature_cache_is_per_sequence_and_survives_more_data(
     target: Path, trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tandem.engine.training.features as F
+    import tandem.training.features as F
     from tandem.models.loader import load_model
 
     model = load_model(str(target), dtype=torch.float32)
@@ -417,8 +417,8 @@ def test_soft_labels_are_the_targets_distribution_for_each_label(
     from the target's softmax (0 for a draft that reproduces it), and hard labels still train."""
     from unittest import mock
 
-    from tandem.engine.training import trainer as T
     from tandem.models.loader import load_model
+    from tandem.training import trainer as T
 
     seen: list[tuple] = []
     responses = str(trained["eagle3"] / "responses.jsonl")
@@ -474,7 +474,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_warns(
 ) -> None:
     """bf16 autocast on an AVX2-only CPU was measured 11x slower than fp32 (26.7 vs 2.3 s per
     Eagle3 step): the trainer says so before it starts."""
-    from tandem.engine.training import trainer
+    from tandem.training import trainer
 
     missing = str(tmp_path / "no-such-model")
     for has_bf16, warned in ((False, True), (True, False)):
@@ -498,8 +498,8 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
 
     root = Path(__file__).resolve().parents[1]
     setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert {"tandem.engine.training", "tandem.models.heads"} <= set(setup["packages"])
-    assert setup["package-data"]["tandem.engine.training"] == ["data/*.jsonl", "data/*.jsonl.gz"]
+    assert {"tandem.training", "tandem.models.heads"} <= set(setup["packages"])
+    assert setup["package-data"]["tandem.training"] == ["data/*.jsonl", "data/*.jsonl.gz"]
     data = root / "engine" / "training" / "data"
     assert len(list(data.glob("*.jsonl.gz"))) >= 4, "the shipped answer files match the globs"
     assert "*/model.safetensors" in setup["package-data"]["tandem.models.heads"]

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.training.export import init_linear_, save_head, unfused_state
-from tandem.engine.training.features import Features
 from tandem.models.mtp import MTPDraft
 from tandem.models.parallel import ParallelMapping
+from tandem.training.export import init_linear_, save_head, unfused_state
+from tandem.training.features import Features
 
 
 class MTPHead:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.engine.training.data import Batch, TrainSequence, collate
-from tandem.engine.training.ttt import dense_attention, target_forward
+from tandem.training.data import Batch, TrainSequence, collate
+from tandem.training.ttt import dense_attention, target_forward
 
 LOGITS_CHUNK = 1024  # rows per LM-head call when text labels need the target's argmax
 

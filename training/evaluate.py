@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.training.data import chat_prompt_ids
+from tandem.training.data import chat_prompt_ids
 
 
 @dataclass
@@ -116,12 +116,12 @@ def simulate_greedy_speculation(
     tokens per step the engine would see on these outputs."""
     import torch
 
-    from tandem.engine.training import data as D
-    from tandem.engine.training.features import compute_features
-    from tandem.engine.training.ttt import dense_attention, unroll_draft
+    from tandem.training import data as D
+    from tandem.training.features import compute_features
+    from tandem.training.ttt import dense_attention, unroll_draft
 
     target = head.target
-    from tandem.engine.training.eagle3 import default_capture_layers
+    from tandem.training.eagle3 import default_capture_layers
 
     layers = int(target.config.num_hidden_layers)
     capture = getattr(head, "capture_layers", None) or default_capture_layers(layers)
@@ -131,7 +131,7 @@ def simulate_greedy_speculation(
     batches = D.make_batches(seqs, batch_tokens)
     store = None
     if feature_cache:  # bf16 features, kept for the next evaluation
-        from tandem.engine.training.features import FeatureStore
+        from tandem.training.features import FeatureStore
 
         store = FeatureStore(target, seqs, batches, tuple(capture), feature_cache)
     for n, idx in enumerate(batches):
@@ -180,13 +180,13 @@ def load_trained_head(method: str, folder: str, target: Any, target_path: str) -
     from pathlib import Path
 
     if method == "eagle3":
-        from tandem.engine.training.eagle3 import Eagle3Head, head_vocab_ids
+        from tandem.training.eagle3 import Eagle3Head, head_vocab_ids
 
         cfg = json.loads((Path(folder) / "config.json").read_text())
         capture = tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         head = Eagle3Head(target, head_vocab_ids(folder), capture)
     else:
-        from tandem.engine.training.mtp import MTPHead
+        from tandem.training.mtp import MTPHead
 
         head = MTPHead(target, target_path)
     head.load_head(folder)

@@ -151,7 +151,7 @@ def run_train_draft(ns: argparse.Namespace) -> int:
 def _train(ns: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from tandem.engine.training.trainer import TrainArgs, train_draft
+    from tandem.training.trainer import TrainArgs, train_draft
 
     args = TrainArgs(
         method=ns.method,
@@ -197,8 +197,8 @@ def _train(ns: argparse.Namespace) -> dict[str, Any]:
 def _evaluate(ns: argparse.Namespace) -> None:
     from dataclasses import asdict
 
-    from tandem.engine.training.data import load_prompts
-    from tandem.engine.training.evaluate import evaluate_head
+    from tandem.training.data import load_prompts
+    from tandem.training.evaluate import evaluate_head
 
     if ns.target is None:
         from tandem.models.builtin import builtin_model_path
@@ -217,18 +217,18 @@ def _evaluate(ns: argparse.Namespace) -> None:
     baseline = None
     report: dict[str, Any] = {}
     if ns.eval_baseline:
-        from tandem.engine.training.data import distill
+        from tandem.training.data import distill
 
         rows = distill(target, prompts, ns.eval_baseline, max_tokens=ns.eval_max_tokens)
         baseline = [list(r["response_ids"]) for r in rows]
         if ns.eval_offline:
             import torch
 
-            from tandem.engine.training.evaluate import (
+            from tandem.models.loader import load_model
+            from tandem.training.evaluate import (
                 load_trained_head,
                 simulate_greedy_speculation,
             )
-            from tandem.models.loader import load_model
 
             model = load_model(target, dtype=torch.float32, device=ns.device)
             head = load_trained_head(ns.method, ns.out, model, target)

@@ -54,7 +54,7 @@ def shipped_prompts_path(name: str) -> Path:
     """The prompt set that ships with the project: ``train`` (2650) or ``eval`` (60)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"prompt set {name!r} is unknown; use one of {PROMPT_SETS}")
-    return Path(str(resources.files("tandem.engine.training") / "data" / f"{name}_prompts.jsonl"))
+    return Path(str(resources.files("tandem.training") / "data" / f"{name}_prompts.jsonl"))
 
 
 def load_prompts(path: str | os.PathLike | None = None, name: str = "train") -> list[str]:

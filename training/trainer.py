@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from tandem.engine.training import data as D
-from tandem.engine.training.features import FeatureStore
-from tandem.engine.training.ttt import dense_attention, unroll_draft
+from tandem.training import data as D
+from tandem.training.features import FeatureStore
+from tandem.training.ttt import dense_attention, unroll_draft
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def _sequences(args: TrainArgs, target_path: str, tokenizer: Any, num_rows: int 
 
 
 def _capture_layers(args: TrainArgs, target: Any) -> tuple[int, ...]:
-    from tandem.engine.training.eagle3 import default_capture_layers
+    from tandem.training.eagle3 import default_capture_layers
 
     layers = args.capture_layers or default_capture_layers(int(target.config.num_hidden_layers))
     return tuple(int(i) for i in layers)
@@ -206,18 +206,18 @@ def _capture_layers(args: TrainArgs, target: Any) -> tuple[int, ...]:
 
 def _make_head(args: TrainArgs, target: Any, target_path: str, seqs: list, saved: dict) -> Any:
     if args.method == "mtp":
-        from tandem.engine.training.mtp import MTPHead
+        from tandem.training.mtp import MTPHead
 
         return MTPHead(
             target, target_path, max_loss_rows=args.max_loss_rows, seed=args.seed, init=args.init
         )
-    from tandem.engine.training.eagle3 import Eagle3Head
+    from tandem.training.eagle3 import Eagle3Head
 
     capture = tuple(saved.get("capture_layers") or _capture_layers(args, target))
     if "vocab_ids" in saved:
         vocab_ids = saved["vocab_ids"]
     elif args.init_from and not args.new_vocab:
-        from tandem.engine.training.eagle3 import head_vocab_ids
+        from tandem.training.eagle3 import head_vocab_ids
 
         vocab_ids = head_vocab_ids(args.init_from)
     else:

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.training.export import init_linear_, save_head, unfused_state
-from tandem.engine.training.features import Features
 from tandem.models.eagle3 import Eagle3Draft
 from tandem.models.parallel import ParallelMapping
+from tandem.training.export import init_linear_, save_head, unfused_state
+from tandem.training.features import Features
 
 logger = logging.getLogger(__name__)
 
