@@ -90,7 +90,7 @@ class LocalServer:
     def __init__(self, model: str, serve_args: str, api_key: str | None) -> None:
         self.port = _free_port()
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-bench-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tandem.server.cli", "serve"]
+        cmd = [sys.executable, "-m", "tandem.cli", "serve"]
         if model != "builtin":
             cmd.append(model)
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *shlex.split(serve_args)]

@@ -1,4 +1,5 @@
-"""``tandem`` command line: ``tandem serve MODEL [options]``."""
+"""``tandem serve MODEL [options]``: its options, mapped onto ``EngineArgs``, and the HTTP server's
+start (the socket, uvicorn, the engine's lifecycle). The ``tandem`` command is ``tandem.cli``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import os
 import socket
 import sys
 from typing import TYPE_CHECKING, Any
-
-from tandem.version import __version__
 
 if TYPE_CHECKING:
     from tandem.engine.config import EngineArgs
@@ -42,11 +41,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
-    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+def add_serve_arguments(s: argparse.ArgumentParser) -> None:
+    """The options of ``tandem serve`` (the command itself lives in ``tandem.cli``)."""
     s.add_argument(
         "model",
         nargs="?",
@@ -197,32 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="padded batch sizes to capture, ascending (default 1 2 4 8 16 ... max-num-seqs)",
     )
-    add_bench_parser(sub)
-    add_train_draft_parser(sub)
-    return parser
-
-
-def add_bench_parser(sub: Any) -> None:
-    """``tandem bench serve`` (load a server over HTTP) and ``tandem bench compare`` (offline
-    engine against transformers and without speculation)."""
-    from tandem.bench import compare as bench_compare
-    from tandem.bench import serve as bench_serve
-
-    b = sub.add_parser("bench", help="benchmark a server or the offline engine")
-    kinds = b.add_subparsers(dest="bench_command", required=True)
-    bench_serve.add_arguments(
-        kinds.add_parser("serve", help="load a running server, print latency and throughput")
-    )
-    bench_compare.add_arguments(
-        kinds.add_parser("compare", help="tokens/s of tandem (with speculation) and transformers")
-    )
-
-
-def add_train_draft_parser(sub: Any) -> None:
-    """``tandem train-draft``: train or evaluate an Eagle3 / MTP head (training/)."""
-    from tandem.training.cli import add_train_draft_parser as add
-
-    add(sub)
 
 
 def dist_init_addr_from(ns: argparse.Namespace) -> str | None:
@@ -429,12 +399,13 @@ def serve(ns: argparse.Namespace) -> int:
 
 
 def _options_given(argv: list[str]) -> set[str]:
-    """Destinations of the ``serve`` options present in ``argv`` (not filled in by defaults)."""
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for action in sub.choices["serve"]._actions:
+    """Destinations of the ``serve`` options present in ``argv`` (``serve``'s own arguments;
+    not filled in by defaults)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(parser)
+    for action in parser._actions:
         action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
+    return set(vars(parser.parse_known_args(argv)[0]))
 
 
 def apply_config_file(ns: argparse.Namespace, argv: list[str]) -> None:
@@ -483,28 +454,12 @@ def launched_rank(engine_args: EngineArgs) -> LaunchEnv | None:
     return launch
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if ns.command == "serve":
-        try:
-            apply_config_file(ns, sys.argv[1:] if argv is None else argv)
-            return serve(ns)
-        except ValueError as e:
-            print(f"tandem serve: error: {e}", file=sys.stderr)
-            return 2
-    if ns.command == "bench":
-        from tandem.bench import compare as bench_compare
-        from tandem.bench import serve as bench_serve
-
-        return (bench_serve if ns.bench_command == "serve" else bench_compare).main(ns)
-    if ns.command == "train-draft":
-        from tandem.training.cli import run_train_draft
-
-        return run_train_draft(ns)
-    parser.error(f"unknown command {ns.command!r}")
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run_serve(ns: argparse.Namespace, argv: list[str]) -> int:
+    """``tandem serve`` with its parsed options (``argv``: the command line, for ``--config``):
+    exit status 2 and one line for what the user must change."""
+    try:
+        apply_config_file(ns, argv)
+        return serve(ns)
+    except ValueError as e:
+        print(f"tandem serve: error: {e}", file=sys.stderr)
+        return 2

@@ -71,10 +71,10 @@ def cmdline(pid: int) -> str:
 
 
 class RemoteServer:
-    """`python -m tandem.server.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own
+    """`python -m tandem.cli serve MODEL ...` on 127.0.0.1 and a free port, in its own
     process group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
     model (no MODEL argument). ``port`` replaces the free port. ``launcher`` replaces
-    ``python -m tandem.server.cli`` (e.g. another venv's ``tandem``), ``cwd`` the checkout as the
+    ``python -m tandem.cli`` (e.g. another venv's ``tandem``), ``cwd`` the checkout as the
     working folder, ``env`` adds variables."""
 
     def __init__(
@@ -101,7 +101,7 @@ class RemoteServer:
         self.model = model
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
         cmd = [
-            *(launcher or [sys.executable, "-m", "tandem.server.cli"]),
+            *(launcher or [sys.executable, "-m", "tandem.cli"]),
             "serve",
             *([str(model)] if model is not None else []),
             "--host",

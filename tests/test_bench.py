@@ -26,7 +26,7 @@ from tandem.bench.serve import (
     speculative_stats,
     summarize,
 )
-from tandem.server.cli import main
+from tandem.cli import main
 
 BLOCK_LABELS = (
     "Successful requests:",

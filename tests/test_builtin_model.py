@@ -313,8 +313,9 @@ def test_cache_dir_honours_tandem_cache(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_serve_without_model_uses_the_builtin_model(
     folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from tandem.cli import build_parser
     from tandem.kernels import cpu_decode
-    from tandem.server.cli import build_parser, engine_args_from
+    from tandem.server.cli import engine_args_from
 
     args = engine_args_from(build_parser().parse_args(["serve"]))
     assert args.model == str(folder)

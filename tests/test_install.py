@@ -235,7 +235,7 @@ def test_imports_in_either_order_outside_the_checkout(
         f"{IMPORTS[order]}\n"
         "from transformers import LlamaConfig\n"
         "from tandem import LLM, SamplingParams\n"
-        "import tandem.server.cli, tandem.bench.compare, kernels, json\n"
+        "import tandem.cli, tandem.bench.compare, kernels, json\n"
         "print(json.dumps({'version': tandem.__version__, 'tandem': tandem.__file__,\n"
         "                  'kernels': kernels.__file__, 'llm': LLM.__module__}))\n"
     )
@@ -447,7 +447,8 @@ def test_image_stop_timeout_covers_the_drain() -> None:
     stop_grace_period at least --shutdown-timeout (30 s) + uvicorn's 5 s."""
     import yaml
 
-    from tandem.server.cli import SHUTDOWN_GRACE_S, build_parser
+    from tandem.cli import build_parser
+    from tandem.server.cli import SHUTDOWN_GRACE_S
 
     drain = build_parser().parse_args(["serve"]).shutdown_timeout + SHUTDOWN_GRACE_S
     compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())

@@ -48,7 +48,7 @@ def _torchrun_node(model: Path, node_rank: int, master_port: int) -> RemoteServe
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
         *("--node-rank", str(node_rank), "--nproc-per-node", "1", "--max-restarts", "0"),
         *("--master-addr", "127.0.0.1", "--master-port", str(master_port), "--no-python"),
-        *(sys.executable, "-m", "tandem.server.cli"),
+        *(sys.executable, "-m", "tandem.cli"),
     ]
     return RemoteServer(model, ["-tp", "2"], launcher=launcher, env=ENV, headless=node_rank != 0)
 

@@ -22,9 +22,10 @@ from transformers import AutoTokenizer
 
 from server_utils import RemoteServer, child_pids, cmdline, free_port, tiny_model
 from tandem import LLM, SamplingParams
+from tandem.cli import build_parser
 from tandem.engine.config import ParallelConfig
 from tandem.engine.multinode import mismatches
-from tandem.server.cli import build_parser, engine_args_from
+from tandem.server.cli import engine_args_from
 from tandem.server.logprobs import TokenText
 
 PROMPTS = ["Hello world! How are you today?", "Paris is the capital of"]

@@ -433,7 +433,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch):
 
 
 def test_default_host_is_loopback():
-    from tandem.server.cli import build_parser
+    from tandem.cli import build_parser
 
     ns = build_parser().parse_args(["serve", "/some/model"])
     assert ns.host == "127.0.0.1"

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from server_utils import tiny_model
+from tandem.cli import build_parser, main
 from tandem.engine.async_llm import QueueFullError, RequestGroup
 from tandem.engine.input_processor import ContextLengthExceededError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
@@ -25,7 +26,7 @@ from tandem.server.chat import (
     messages_for_template,
     resolve_chat_template,
 )
-from tandem.server.cli import _size, build_parser, engine_args_from, main
+from tandem.server.cli import _size, engine_args_from
 from tandem.server.errors import APIError, validation_error_to_api_error
 from tandem.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -678,8 +678,9 @@ def test_shipped_heads_load_for_the_builtin_model(method: str) -> None:
 
 def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -> None:
     import tandem.models.builtin
+    from tandem.cli import build_parser
     from tandem.models.heads import builtin_head_path
-    from tandem.server.cli import build_parser, engine_args_from
+    from tandem.server.cli import engine_args_from
 
     monkeypatch.setattr(tandem.models.builtin, "builtin_model_path", lambda: str(tmp_path))
 
@@ -710,7 +711,7 @@ def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -
 def test_cli_trains_then_evaluates_with_the_engine(
     target: Path, trained: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from tandem.server.cli import main
+    from tandem.cli import main
 
     out = tmp_path / "head"
     responses = str(trained["eagle3"] / "responses.jsonl")
