@@ -11,6 +11,7 @@ import pytest
 
 from checkpoints import build_llama
 from tandem import LLM, EngineArgs, SamplingParams
+from tandem import cli as tandem_cli
 from tandem.engine.config import ParallelConfig, SpeculativeConfig
 from tandem.engine.presets import (
     PRESETS_DIR,
@@ -182,8 +183,7 @@ def _preset(tmp_path: Path, text: str) -> Path:
 
 
 def _engine_args(argv: list[str]) -> EngineArgs:
-    argv = ["serve", *argv]
-    ns = cli.build_parser().parse_args(argv)
+    ns = tandem_cli.build_parser().parse_args(["serve", *argv])
     cli.apply_config_file(ns, argv)
     return cli.engine_args_from(ns)
 
@@ -234,8 +234,8 @@ def test_config_file_sits_between_defaults_and_flags(tmp_path: Path) -> None:
 def test_config_file_fills_parallel_options(tmp_path: Path) -> None:
     text = "tensor_parallel_size: 2\nenable_attention_dp: true\nenable_lm_head_tp_in_adp: true\n"
     path = _preset(tmp_path, text)
-    argv = ["serve", "/m", "--config", str(path)]
-    ns = cli.build_parser().parse_args(argv)
+    argv = ["/m", "--config", str(path)]
+    ns = tandem_cli.build_parser().parse_args(["serve", *argv])
     cli.apply_config_file(ns, argv)
     assert ns.enable_attention_dp is True and ns.enable_lm_head_tp_in_adp is True
     assert ns.config_engine_fields == {}  # every engine field has a command-line option
@@ -246,6 +246,6 @@ def test_config_file_fills_parallel_options(tmp_path: Path) -> None:
 
 def test_serve_reports_a_bad_config_file(tmp_path: Path, capsys) -> None:
     path = _preset(tmp_path, "max_num_seqs: lots\n")
-    assert cli.main(["serve", "/m", "--config", str(path)]) == 2
+    assert tandem_cli.main(["serve", "/m", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs" in err and "expected int" in err

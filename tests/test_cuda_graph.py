@@ -25,6 +25,7 @@ from graph_checks import (
     spec_config,
 )
 from tandem import LLM, SamplingParams
+from tandem import cli as tandem_cli
 from tandem.engine.config import CUDAGraphConfig, EngineArgs
 from tandem.engine.cuda_graph import (
     ADVANCED,
@@ -188,7 +189,7 @@ def test_graph_mode_and_config(monkeypatch: pytest.MonkeyPatch) -> None:
             CUDAGraphConfig(cuda_graph_batch_sizes=bad)
     # CLI and presets map one to one onto EngineArgs.
     argv = ["serve", "/m", "--enforce-eager", "--cuda-graph-batch-sizes", "1", "2", "8"]
-    args = cli.engine_args_from(cli.build_parser().parse_args(argv))
+    args = cli.engine_args_from(tandem_cli.build_parser().parse_args(argv))
     assert args.enforce_eager is True and args.cuda_graph_batch_sizes == (1, 2, 8)
     preset = validate_preset({"enforce_eager": True, "cuda_graph_batch_sizes": [1, 4]})
     assert preset == {"enforce_eager": True, "cuda_graph_batch_sizes": (1, 4)}

@@ -25,6 +25,7 @@ from server_utils import (
     wait_until,
 )
 from tandem import LLM
+from tandem import cli as tandem_cli
 from tandem.engine.config import EngineArgs, ParallelConfig
 from tandem.engine.dp_client import (
     AFFINITY_SLACK,
@@ -187,11 +188,11 @@ def test_replicas_take_consecutive_devices(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_dp_flag_and_config_file_reach_engine_args(tmp_path: Path) -> None:
     argv = ["serve", "/m", "-dp", "2"]
-    assert cli.engine_args_from(cli.build_parser().parse_args(argv)).data_parallel_size == 2
+    assert cli.engine_args_from(tandem_cli.build_parser().parse_args(argv)).data_parallel_size == 2
     preset = tmp_path / "dp.yaml"
     preset.write_text("data_parallel_size: 3\n")
-    argv = ["serve", "/m", "--config", str(preset)]
-    ns = cli.build_parser().parse_args(argv)
+    argv = ["/m", "--config", str(preset)]
+    ns = tandem_cli.build_parser().parse_args(["serve", *argv])
     cli.apply_config_file(ns, argv)
     assert cli.engine_args_from(ns).data_parallel_size == 3
 
