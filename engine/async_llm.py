@@ -19,8 +19,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from tandem.engine.client import (
+    EngineDeadError,
+    EngineNotReadyError,
+    Prompt,
+    QueueFullError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestGroup,
+    RequestStatsSink,
+)
 from tandem.engine.config import EngineArgs
 from tandem.engine.engine_core import (
     AbortRequests,
@@ -41,44 +51,6 @@ from tandem.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
-
-class EngineError(RuntimeError):
-    """Base of the errors the engine client raises for reasons other than bad input."""
-
-
-class EngineDeadError(EngineError):
-    """The engine process is gone (or stopped answering)."""
-
-
-class EngineNotReadyError(EngineError):
-    """The engine is still loading or warming up."""
-
-
-class QueueFullError(EngineError):
-    """Admitting the request would exceed the bounded waiting queue."""
-
-
-class RequestFailedError(EngineError):
-    """The engine failed while running the request (a server fault, not the client's)."""
-
-
-class RequestAbortedError(EngineError):
-    """The server aborted the request before it finished (e.g. it is shutting down)."""
-
-
-class RequestStatsSink(Protocol):
-    """Receives per-request latency observations (the server's Prometheus metrics)."""
-
-    def observe_first_token(self, seconds: float) -> None: ...
-
-    def observe_inter_token(self, seconds: float) -> None: ...
-
-    def observe_finished(
-        self, e2e_seconds: float, queue_seconds: float | None, finish_reason: str | None
-    ) -> None: ...
-
 
 @dataclass
 class _Tracked:
@@ -88,71 +60,6 @@ class _Tracked:
     last_token_time: float | None = None
     num_tokens: int = 0
     output: OutputAssembly = field(default_factory=OutputAssembly)
-
-
-@dataclass
-class RequestGroup:
-    """The engine requests of one API request (n samples x prompts), merged into one stream.
-
-    ``stream()`` yields ``(index, output)`` with cumulative outputs; when the consumer is slower
-    than the engine, intermediate outputs of the same index are skipped (the next one contains
-    them). Closing or cancelling the stream before every request finished aborts the rest."""
-
-    client: AsyncLLM
-    request_ids: list[str]
-    _queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = field(
-        default_factory=asyncio.Queue
-    )
-    _finished: list[bool] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._finished = [False] * len(self.request_ids)
-
-    @property
-    def done(self) -> bool:
-        return all(self._finished)
-
-    def _put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        try:
-            while not self.done:
-                batch = [await self._queue.get()]
-                while not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                latest: dict[int, RequestOutput] = {}
-                error: BaseException | None = None
-                for item in batch:
-                    if isinstance(item, BaseException):
-                        error = item  # after what arrived before it
-                        break
-                    latest[item[0]] = item[1]
-                for index, out in latest.items():
-                    if out.finished:
-                        self._finished[index] = True
-                    yield index, out
-                if error is not None:
-                    raise error
-        finally:
-            self.abort()
-
-    async def final_outputs(self) -> list[RequestOutput]:
-        """Wait for every request to finish; outputs in index order."""
-        last: dict[int, RequestOutput] = {}
-        async for index, out in self.stream():
-            last[index] = out
-        return [last[i] for i in range(len(self.request_ids))]
-
-    def abort(self) -> None:
-        """Abort whatever has not finished yet (idempotent)."""
-        pending = [
-            rid for rid, fin in zip(self.request_ids, self._finished, strict=True) if not fin
-        ]
-        for i in range(len(self._finished)):
-            self._finished[i] = True
-        if pending:
-            self.client.abort(pending)
 
 
 class AsyncLLM:

@@ -27,15 +27,16 @@ from typing import Any
 
 import torch
 
-from tandem.engine.async_llm import (
-    AsyncLLM,
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.block_manager import block_hash
+from tandem.engine.client import (
+    EngineClient,
     EngineDeadError,
     EngineNotReadyError,
     Prompt,
     RequestGroup,
     RequestStatsSink,
 )
-from tandem.engine.block_manager import block_hash
 from tandem.engine.config import EngineArgs, EngineConfig
 from tandem.engine.engine_core import EngineInfo
 from tandem.engine.outputs import EngineStats
@@ -256,7 +257,7 @@ class ReplicatedLLM:
         return sum(r.abort_all(reason) for r in self.replicas)
 
 
-def make_engine_client(engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM | ReplicatedLLM:
+def make_engine_client(engine_args: EngineArgs, **kwargs: Any) -> EngineClient:
     """``ReplicatedLLM`` when ``engine_args`` asks for data-parallel replicas, else ``AsyncLLM``
     (also for ``-dp N`` with attention DP: there it means ADP within one engine)."""
     replicas = engine_args.data_parallel_size

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tandem.engine.async_llm import RequestGroup
+from tandem.engine.client import RequestGroup
 from tandem.engine.config import EngineArgs
 from tandem.server.errors import (
     APIError,

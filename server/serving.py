@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.engine.async_llm import (
+from tandem.engine.client import (
     EngineDeadError,
     EngineError,
     EngineNotReadyError,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
-from tandem.engine.async_llm import RequestGroup
+from tandem.engine.client import RequestGroup
 from tandem.engine.outputs import RequestOutput
 from tandem.server.chat import ChatRenderer, ChatTemplateError, messages_for_template
 from tandem.server.errors import bad_request, unsupported

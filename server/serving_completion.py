@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tandem.engine.async_llm import RequestGroup
+from tandem.engine.client import RequestGroup
 from tandem.engine.outputs import RequestOutput
 from tandem.server.logprobs import completion_logprobs
 from tandem.server.protocol import CompletionRequest

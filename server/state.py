@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.client import EngineClient
 from tandem.engine.config import EngineArgs
 from tandem.engine.dp_client import make_engine_client
 from tandem.server.chat import ChatRenderer, resolve_chat_template
@@ -58,7 +59,7 @@ class ServerState:
             self.model_names[0], lambda: self.llm.replica_stats, lambda: self.llm.num_in_flight
         )
         # One AsyncLLM, or a ReplicatedLLM with the same interface under -dp N.
-        self.llm = make_engine_client(
+        self.llm: EngineClient = make_engine_client(
             engine_args,
             ready_timeout_s=settings.ready_timeout_s,
             heartbeat_timeout_s=settings.heartbeat_timeout_s,

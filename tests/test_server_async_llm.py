@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from server_utils import MAX_MODEL_LEN, tiny_model, wait_until
-from tandem.engine.async_llm import AsyncLLM, EngineNotReadyError
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.client import EngineNotReadyError
 from tandem.engine.config import EngineArgs
 from tandem.engine.sampling_params import SamplingParams
 
@@ -75,3 +76,29 @@ def test_generate_abort_and_shutdown(model_dir):
     llm = r["llm"]
     wait_until(lambda: not llm._proc.is_alive(), timeout_s=15)
     assert llm._proc.exitcode == 0 and not llm.is_healthy
+
+
+def test_both_engine_clients_satisfy_the_servers_contract(model_dir):
+    """The server is written against ``EngineClient``: ``AsyncLLM`` and ``ReplicatedLLM`` (-dp)
+    both have every member, with the protocol's parameters (nothing is launched here)."""
+    import inspect
+
+    from tandem.engine.client import EngineClient
+    from tandem.engine.dp_client import ReplicatedLLM, make_engine_client
+
+    one = make_engine_client(EngineArgs(model=str(model_dir), max_model_len=MAX_MODEL_LEN))
+    two = make_engine_client(
+        EngineArgs(model=str(model_dir), max_model_len=MAX_MODEL_LEN, data_parallel_size=2)
+    )
+    assert (type(one), type(two)) == (AsyncLLM, ReplicatedLLM)
+    members = [n for n in dir(EngineClient) if not n.startswith("_")]
+    assert {"add_requests", "abort", "shutdown", "start", "is_healthy", "dead_reason"} <= set(
+        members
+    )
+    for client in (one, two):
+        assert isinstance(client, EngineClient)
+        for name in members:
+            want = inspect.getattr_static(EngineClient, name)
+            if callable(want):
+                got = inspect.signature(getattr(client, name)).parameters
+                assert list(got) == list(inspect.signature(want).parameters)[1:], (client, name)

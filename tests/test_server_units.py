@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from server_utils import tiny_model
 from tandem.cli import build_parser, main
-from tandem.engine.async_llm import QueueFullError, RequestGroup
+from tandem.engine.client import QueueFullError, RequestGroup
 from tandem.engine.input_processor import ContextLengthExceededError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.request import TokenLogprobs
