@@ -29,9 +29,10 @@ from tandem.engine.sampler import (
     compute_logprobs,
     sample,
 )
-from tandem.engine.speculative.decoder import SpecDecoder, widen_columns
+from tandem.engine.speculative.decoder import SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
+from tandem.engine.speculative.sampling import widen_columns
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import (
     ADP_DUMMY_REQUEST_ID,

@@ -37,17 +37,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.engine.sampler import SamplingTensors, ban_stop_tokens, probs_for_rows
-from tandem.engine.speculative.decoder import (
-    SpecDecoder,
+from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.engine.speculative.draft_grammar import DraftMasker
+from tandem.engine.speculative.interface import (
+    ROW_PICK_RESOLVER,
+    DraftRowPick,
+    SpecMetadata,
     VerifyLayout,
+)
+from tandem.engine.speculative.sampling import (
     exponential_noise,
     repeat_rows,
     sample_rows,
     uniform_noise,
     widen_columns,
 )
-from tandem.engine.speculative.draft_grammar import DraftMasker
-from tandem.engine.speculative.interface import ROW_PICK_RESOLVER, DraftRowPick, SpecMetadata
 from tandem.engine.speculative.tree import (
     DraftTree,
     ancestor_mask,

@@ -1,0 +1,75 @@
+"""The sampling pieces both decoders (chain and tree) verify and draft with: noise drawn from
+each request's generator, rows sampled with it, the batch's sampling tensors repeated per
+verified position, and verify columns widened to the layout's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from tandem.engine.sampler import SamplingTensors
+
+
+def widen_columns(x: Tensor, k1: int) -> Tensor:
+    """``x`` [B, C, ...] → [B, k1, ...], column C - 1 repeated (the verify layout's rows past a
+    request's drafts repeat its last row, so their logits are the same)."""
+    c = x.shape[1]
+    if c == k1:
+        return x
+    idx = torch.arange(k1, device=x.device).clamp(max=c - 1)
+    return x[:, idx]
+
+
+def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """The batch's sampling tensors with every row repeated ``n`` times (verify rows)."""
+
+    def rep(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.repeat_interleave(n, dim=0)
+
+    return dataclasses.replace(
+        st,
+        temperature=rep(st.temperature),
+        top_k=rep(st.top_k),
+        top_p=rep(st.top_p),
+        min_p=rep(st.min_p),
+        presence_penalty=rep(st.presence_penalty),
+        frequency_penalty=rep(st.frequency_penalty),
+        repetition_penalty=rep(st.repetition_penalty),
+        output_token_counts=rep(st.output_token_counts),
+        prompt_token_mask=rep(st.prompt_token_mask),
+        generators=[g for g in st.generators for _ in range(n)],
+        # Verified positions differ in depth: the verifier bans them before (``ban_stop_tokens``).
+        stop_ban=None,
+        stop_ban_left=None,
+    )
+
+
+def exponential_noise(
+    shape: tuple[int, ...], gens: list[torch.Generator | None], device: torch.device
+) -> Tensor:
+    """Exp(1) noise; row i (first dim) from its request's generator when it has one."""
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, g in enumerate(gens):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise.clamp_min_(1e-20)
+
+
+def uniform_noise(
+    b: int, k: int, gens: list[torch.Generator | None], device: torch.device
+) -> Tensor:
+    u = torch.rand((b, k), device=device)
+    for i, g in enumerate(gens):
+        if g is not None:
+            u[i] = torch.rand((k,), device=device, generator=g)
+    return u
+
+
+def sample_rows(
+    probs: Tensor, gens: list[torch.Generator | None], noise: Tensor | None = None
+) -> Tensor:
+    if noise is None:
+        noise = exponential_noise(tuple(probs.shape), gens, probs.device)
+    return (probs / noise).argmax(-1)
