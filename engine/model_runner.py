@@ -7,6 +7,7 @@ per-request random generators, and it receives plain, picklable step description
 
 from __future__ import annotations
 
+import struct
 from functools import partial
 from typing import Any
 
@@ -56,22 +57,30 @@ from tandem.models.parallel import all_ranks_true
 
 def host_rows(*parts: torch.Tensor) -> list[list[list[Any]]]:
     """Several [B, ...] device tensors read back in one copy (one host sync): per part, B rows
-    of its values flattened, ints for integer parts. The parts travel as one float64 tensor
-    when any is floating (exact for float32 values and for ints below 2**53), else int64."""
+    of its values flattened: ints for integer (and bool) parts, floats for floating ones. The
+    parts travel as one int64 tensor, a floating part as its float32 bit patterns, so ids stay
+    exact and are never converted value by value; only floating parts are unpacked on the host
+    (struct, per row)."""
     b = parts[0].shape[0]
     if b == 0:
         return [[] for _ in parts]
     flat = [p.reshape(b, -1) for p in parts]
-    dtype = torch.float64 if any(f.is_floating_point() for f in flat) else torch.int64
-    rows = torch.cat([f.to(dtype) for f in flat], dim=1).tolist()
+    wire = [
+        f.float().view(torch.int32).to(torch.int64) if f.is_floating_point() else f.to(torch.int64)
+        for f in flat
+    ]
+    rows = torch.cat(wire, dim=1).tolist()
     out: list[list[list[Any]]] = []
     start = 0
     for f in flat:
         end = start + f.shape[1]
-        if f.is_floating_point() or dtype == torch.int64:
-            out.append([r[start:end] for r in rows])
+        if f.is_floating_point():
+            n = f.shape[1]
+            out.append(
+                [list(struct.unpack(f"{n}f", struct.pack(f"{n}i", *r[start:end]))) for r in rows]
+            )
         else:
-            out.append([[int(v) for v in r[start:end]] for r in rows])
+            out.append([r[start:end] for r in rows])
         start = end
     return out
 

@@ -263,3 +263,19 @@ def test_min_tokens_with_a_stop_string_keeps_text_equal_to_tokens(
             assert len(ids) >= min_tokens and (reason == stop or len(ids) == 24)
             assert (reason == stop) if min_tokens == 0 else True
             assert (reason is None) if min_tokens == 24 else True
+
+
+def test_host_rows_reads_every_part_in_its_own_dtype() -> None:
+    """The step's one host read: ints stay ints (exact past 2**53, where a float64 trip rounds
+    them), float32 values stay their float32 values, bools read as 0 / 1, row by row."""
+    from tandem.engine.model_runner import host_rows
+
+    ids = torch.tensor([[2**53 + 1, -3], [7, 2**62]])
+    lp = torch.tensor([[0.1], [-1e-30]], dtype=torch.float32)
+    flags = torch.tensor([[True], [False]])
+    got = host_rows(ids, lp, flags, ids[:, :1])
+    assert got[0] == [[2**53 + 1, -3], [7, 2**62]]
+    assert got[1] == [[float(torch.tensor(0.1))], [float(torch.tensor(-1e-30))]]
+    assert got[2] == [[1], [0]] and got[3] == [[2**53 + 1], [7]]
+    assert all(type(v) is int for row in got[0] for v in row)
+    assert host_rows(torch.empty(0, 3), ids[:0]) == [[], []]
