@@ -233,7 +233,7 @@ class SpecDecoder:
         layout: VerifyLayout,
         num_accepted: Tensor,
         tokens: Tensor,
-        st: SamplingTensors,
+        st: SamplingTensors | None,
         meta: SpecMetadata,
         draft_noise: Tensor | None = None,
         draft_mask: DraftMask | None = None,
@@ -287,7 +287,7 @@ class SpecDecoder:
             mask = None if draft_mask is None else draft_mask(len(drafts), drafts)
             # This draft is the token num_accepted + 1 + len(drafts) after the step's first.
             ban = None
-            if st.stop_ban_left is not None:
+            if st is not None and st.stop_ban_left is not None:  # None: a captured greedy loop
                 ban = num_accepted + 1 + len(drafts) < st.stop_ban_left
             token, q = self._draft_token(logits, st, advanced, noise, mask, ban)
             drafts.append(token)
@@ -317,7 +317,7 @@ class SpecDecoder:
             emit(0, hidden)
             pos = layout.positions + num_accepted  # position of the picked row
             chain = None
-            fast = self.fast_chain and draft_mask is None and st.stop_ban is None
+            fast = self.fast_chain and draft_mask is None and (st is None or st.stop_ban is None)
             if fast and self.k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
