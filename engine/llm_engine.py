@@ -18,7 +18,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
-from tandem.engine.structured_output import StepMasks, StructuredOutputManager
+from tandem.engine.structured_output import StepMasks, StructuredOutputManager, StructuredSpec
 from tandem.engine.tokenizer import load_generation_config, load_tokenizer, model_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class LLMEngine:
             # grammar is compiled before it is scheduled); rank processes build their own.
             grammars.use_compiler(lambda: self.structured.compiler)
         self.failed: list[tuple[str, str]] = []
+        self.new_grammars: list[StructuredSpec] = []  # see _send_grammars
         self.bitmask_width = -(-max(mc.vocab_size, len(self.tokenizer)) // 32)
 
     @classmethod
@@ -130,6 +131,8 @@ class LLMEngine:
         self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
         if p.structured is not None:
             self.structured.submit(request)  # scheduled once its grammar is compiled
+            if self.num_spec_tokens:  # the ranks compile it too, meanwhile (masked drafting)
+                self.new_grammars.append(p.structured)
         else:
             self._schedule_request(request)
         return request
@@ -197,6 +200,12 @@ class LLMEngine:
             # cannot travel between processes); see engine/speculative/draft_grammar.py.
             grammar = bitmask is not None and propose_drafts and self.num_spec_tokens > 0
             pen = sample and r.params.uses_penalties
+            offset, outputs = (0, r.output_token_ids) if pen else (None, [])
+            if grammar and not pen:  # only what the ranks have not had yet
+                offset = r.output_tokens_shipped
+                outputs = r.output_token_ids[offset:]
+            if grammar:
+                r.output_tokens_shipped = len(r.output_token_ids)
             end = s.start + s.num_new_tokens - s.num_drafts
             tokens = r.all_token_ids[s.start : end]
             if s.num_drafts:
@@ -210,7 +219,8 @@ class LLMEngine:
                     sample=sample,
                     params=r.params if sample else None,
                     prompt_token_ids=r.prompt_token_ids if pen else [],
-                    output_token_ids=r.output_token_ids if pen or grammar else [],
+                    output_token_ids=outputs,
+                    output_offset=offset,
                     num_drafts=s.num_drafts,
                     next_token=r.all_token_ids[end] if end < r.num_tokens else 0,
                     future_tokens=(
@@ -237,8 +247,9 @@ class LLMEngine:
         self.step_request_ids = [s.request.request_id for s in scheduled]
         masks = self._bitmasks(scheds) if self.structured.matchers else StepMasks({}, {})
         if not scheduled:
-            if any(sched.finished_request_ids for sched in scheds):
+            if self.new_grammars or any(sched.finished_request_ids for sched in scheds):
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
+                self._send_grammars(empty)
                 self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
             return []
         # Speculation pauses while the step runs at least disable_by_batch_size requests (all
@@ -248,6 +259,7 @@ class LLMEngine:
             self._step_input(sched.scheduled, sched.finished_request_ids, propose, masks.masks)
             for sched in scheds
         ]
+        self._send_grammars(inputs)
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths
@@ -327,6 +339,13 @@ class LLMEngine:
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])
         return outputs
+
+    def _send_grammars(self, inputs: list[StepInput]) -> None:
+        """Every rank gets the grammars that arrived since the last step, to compile them off
+        the step (each rank's masked drafting needs its own)."""
+        for inp in inputs:
+            inp.grammars = self.new_grammars
+        self.new_grammars = []
 
     def _bitmasks(self, scheds: list[SchedulerOutput]) -> StepMasks:
         """The grammar bitmask of every constrained request this step samples; those whose

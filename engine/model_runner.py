@@ -415,6 +415,8 @@ class ModelRunner:
             self.spec.forget(step.finished_request_ids)
         if self.grammars is not None:
             self.grammars.forget(step.finished_request_ids)
+            self.grammars.prefetch(step.grammars)
+            self.grammars.receive(step.requests)
         if not step.requests:
             return StepOutput([], [], [])
         inp = self.prepare(step, adp_counts)

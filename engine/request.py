@@ -113,6 +113,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     spec_parents: list[int] = field(default_factory=list)  # draft trees: each draft's parent
     spec_max_depth: int = 0  # draft trees: the deepest of those nodes worth verifying
+    # Masked drafting: output tokens already sent to the ranks (they keep their own copy).
+    output_tokens_shipped: int = 0
     spec_stats: SpecStats | None = None
 
     def __post_init__(self) -> None:

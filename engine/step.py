@@ -17,6 +17,7 @@ from tandem.engine.request import TokenLogprobs
 from tandem.engine.sampler import SamplingTensors
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
+from tandem.engine.structured_output import StructuredSpec
 from tandem.models.attention import AttentionMetadata
 
 
@@ -31,8 +32,11 @@ class RequestStep:
     sample: bool  # the step reaches the end of the request's tokens: its last rows are sampled
     params: SamplingParams | None = None  # set when sample
     prompt_token_ids: list[int] = field(default_factory=list)  # only when penalties are used
-    # Penalties, and a constrained request's masked drafting (the rank's matcher follows them).
+    # Output tokens from index output_offset on (None: none sent): all of them for penalties;
+    # for a constrained request's masked drafting, those the ranks have not had yet (each rank
+    # keeps its copy, and its matcher follows it).
     output_token_ids: list[int] = field(default_factory=list)
+    output_offset: int | None = None
     num_drafts: int = 0  # the last num_drafts entries of token_ids are drafts to verify
     next_token: int = 0  # speculation: the prompt token after a chunk that stops mid-prompt
     # Vanilla MTP: the prompt tokens after next_token (layer k of the draft reads k + 1 ahead).
@@ -57,6 +61,9 @@ class StepInput:
     # Speculation: False when the step is too large to speculate for (``disable_by_batch_size``):
     # it verifies the drafts it carries and proposes none (the draft layers still write KV).
     propose_drafts: bool = True
+    # Masked drafting: the grammars of constrained requests that arrived since the last step,
+    # for the ranks to compile off the step (the engine schedules them once it compiled its own).
+    grammars: list[StructuredSpec] = field(default_factory=list)
 
 
 @dataclass

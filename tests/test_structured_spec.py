@@ -551,3 +551,58 @@ def test_tensor_parallel_ranks_mask_the_same_drafts(
             hot = SamplingParams(temperature=1.0, seed=5, max_tokens=150, structured=spec_)
             for o in llm.generate(PROMPTS, hot):
                 check(grammar, o.outputs[0].text)
+
+
+def test_ranks_get_each_output_token_once_and_each_grammar_on_arrival(
+    models: dict[str, Path], baseline: dict[tuple[str, str], list[list[int]]]
+) -> None:
+    """What a constrained speculative request costs the ranks per step: its output tokens are
+    sent once each (a step carries the ones the ranks have not had; they were all sent every
+    step), and its grammar reaches them in the first step after it arrives, before the request
+    runs, so the ranks compile it off the step."""
+    target, spec = setup(models, "mtp-perfect", 3)
+    with LLM(str(target), speculative_config=spec) as llm:
+        executor, steps = llm.engine.executor, []
+        real = executor.execute
+
+        def execute(step: Any) -> Any:
+            steps.append(step)
+            return real(step)
+
+        executor.execute = execute  # type: ignore[method-assign]
+        (out,) = llm.generate(PROMPTS[:1], greedy("json"))
+    assert out.outputs[0].token_ids == baseline["perfect", "json"][0]
+    assert [s.grammars for s in steps if s.grammars] == [[GRAMMARS["json"]]]
+    first_run = next(i for i, s in enumerate(steps) if s.requests)
+    assert steps[first_run - 1].grammars or steps[first_run].grammars
+    sent = [r for s in steps for r in s.requests if r.output_offset is not None]
+    assert len(sent) > 3
+    offsets = [r.output_offset for r in sent]
+    assert offsets == [sum(len(r.output_token_ids) for r in sent[:i]) for i in range(len(sent))]
+    shipped = [t for r in sent for t in r.output_token_ids]
+    assert shipped == out.outputs[0].token_ids[: len(shipped)]
+    assert max(len(r.output_token_ids) for r in sent) <= 4  # one step's tokens at most (K + 1)
+
+
+def test_rank_grammars_compile_off_the_step() -> None:
+    """``DraftGrammars.prefetch``: the compiler (a rank's tokenizer) and the grammar are built on
+    the background thread, not in the step that first needs them."""
+    import threading
+
+    from tandem.engine.speculative.draft_grammar import DraftGrammars
+
+    where: list[str] = []
+
+    class Compiler:
+        def __init__(self) -> None:
+            where.append(f"built on {threading.current_thread().name}")
+
+        def template(self, spec: StructuredSpec) -> None:
+            where.append(f"{spec.text} on {threading.current_thread().name}")
+
+    grammars = DraftGrammars(Compiler)  # type: ignore[arg-type]
+    grammars.prefetch([GRAMMARS["regex"]])
+    assert grammars._background is not None
+    grammars._background.shutdown(wait=True)
+    thread = "draft-grammars_0"
+    assert where == [f"built on {thread}", f"{REGEX} on {thread}"]

@@ -5,8 +5,9 @@ token) and this step's drafts before it, so drafts the grammar forbids are not p
 The engine process owns the matchers that decide what is emitted; they cannot travel to the
 ranks, so every rank keeps a matcher of its own per constrained request (``DraftGrammars``),
 compiled from the request's ``StructuredSpec`` (by the engine's ``GrammarCompiler`` in the
-engine's process, by one of their own in rank processes) and synced each step to the request's
-output tokens (which the ``RequestStep`` carries). Within a step a
+engine's process, by one of their own in rank processes, in the background as soon as the
+request arrives: ``StepInput.grammars``) and synced each step to the request's output tokens
+(each rank keeps its copy; a ``RequestStep`` carries the ones it has not had yet). Within a step a
 ``DraftMasker`` advances those matchers along the emitted tokens and each new draft, and rolls
 them back when the loop ends. All ranks of a tensor-parallel group see the same steps, so they
 compute the same masks and feed the same drafts to the sharded draft layers.
@@ -21,7 +22,10 @@ its path (``DraftMasker.node_masks``).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -47,17 +51,37 @@ class DraftGrammars:
     def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
         self._make_compiler = make_compiler
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._background: ThreadPoolExecutor | None = None
         self.executor: Any = None
         # request id -> (its spec, matcher, output tokens fed)
         self.matchers: dict[str, tuple[StructuredSpec, Any, int]] = {}
+        # request id -> its output tokens as this rank has them (steps send only new ones)
+        self.outputs: dict[str, list[int]] = {}
 
     @property
     def compiler(self) -> GrammarCompiler:
-        """Built at the first constrained step (in a rank process: loads the tokenizer, and
-        compiles each grammar again, in the step)."""
-        if self._compiler is None:
-            self._compiler = self._make_compiler()
-        return self._compiler
+        """Built on first use (in a rank process it loads the tokenizer): by ``prefetch``, off
+        the step, when the first constrained request arrives."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
+            return self._compiler
+
+    def prefetch(self, specs: list[StructuredSpec]) -> None:
+        """Compile ``specs`` (new requests' grammars, sent when they arrive) on a background
+        thread, so a rank's first constrained step finds them compiled. A grammar that fails
+        here fails in the engine too (the request is never scheduled)."""
+        if not specs:
+            return
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="draft-grammars")
+        for spec in specs:
+            self._background.submit(self._compile, spec)
+
+    def _compile(self, spec: StructuredSpec) -> None:
+        with contextlib.suppress(StructuredOutputError):
+            self.compiler.template(spec)
 
     def use_compiler(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
         """Build the compiler with ``make_compiler`` instead (the engine's own, when this rank
@@ -68,6 +92,7 @@ class DraftGrammars:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+            self.outputs.pop(rid, None)
 
     def masker(
         self, sampled: list[RequestStep], num_accepted: Tensor, tokens: Tensor
@@ -89,11 +114,29 @@ class DraftGrammars:
         width = -(-int(self.compiler.ll_tokenizer.vocab_size) // 32)
         return DraftMasker(self, width, len(sampled), rows, num_accepted, tokens)
 
+    def receive(self, requests: list[RequestStep]) -> None:
+        """Extend this rank's copy of each constrained request's output tokens with what the
+        step sends (every step, masked or not, so the copy never misses tokens); a gap (which
+        cannot happen while every rank runs every step) drops the copy: unmasked from then."""
+        for r in requests:
+            if r.output_offset is None or r.params is None or r.params.structured is None:
+                continue
+            out = self.outputs.setdefault(r.request_id, [])
+            if r.output_offset == 0:
+                out[:] = r.output_token_ids
+            elif r.output_offset == len(out):
+                out.extend(r.output_token_ids)
+            else:
+                del self.outputs[r.request_id]
+
     def _synced(self, r: RequestStep) -> Any | None:
         """The request's matcher, fed exactly its output tokens (None: its grammar cannot follow
         them here; its rows stay unmasked)."""
         assert r.params is not None and r.params.structured is not None
-        out, spec = r.output_token_ids, r.params.structured
+        out, spec = self.outputs.get(r.request_id), r.params.structured
+        if out is None:
+            self.matchers.pop(r.request_id, None)
+            return None
         entry = self.matchers.get(r.request_id)
         if entry is None or entry[0] != spec or entry[2] > len(out):
             try:
