@@ -46,11 +46,12 @@ RUN pip install --no-cache-dir \
         "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}" "nvidia-nccl-cu12==${NCCL_VERSION}"
 
 WORKDIR /opt/tandem
-COPY pyproject.toml README.md LICENSE requirements.lock __init__.py ./
+COPY pyproject.toml README.md LICENSE requirements.lock __init__.py cli.py version.py ./
 COPY server ./server
 COPY engine ./engine
 COPY models ./models
 COPY kernels ./kernels
+COPY training ./training
 COPY benchmarks ./benchmarks
 COPY configs ./configs
 COPY docker ./docker

@@ -338,7 +338,7 @@ def test_bad_rows_are_refused_not_read_out_of_bounds(tiny: Path) -> None:
             weights=fast.weights,
             caches=caches,
             final_norm=fast.weights[0],
-            cos_sin=fast.cos_sin,
+            cos_sin=fast.rope.cos_sin,
             shape=(*fast.shape, caches[0].shape[1], fast.intermediate),
             eps=fast.eps,
             scale=fast.scale,

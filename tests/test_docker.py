@@ -75,11 +75,20 @@ def test_build_context_holds_what_the_dockerfile_copies() -> None:
         if line.strip() and not line.startswith("#")
     }
     assert {".git", ".venv"} <= ignored
+    copied = set()
     for word, args in _instructions():
         if word == "COPY":
             for src in shlex.split(args)[:-1]:
                 assert (REPO / src).exists(), src
                 assert src.rstrip("/") not in ignored, src
+                copied.add(src.rstrip("/"))
+    # Every source of the package: the top-level modules and each package's folder.
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {setup["package-dir"].get(p, p.split(".")[1]) for p in setup["packages"][1:]}
+    needed = {f.split("/")[0] for f in folders} | {p.name for p in REPO.glob("*.py")}
+    assert needed <= copied, needed - copied
 
 
 def test_entrypoint_is_executable_and_parses() -> None:

@@ -500,7 +500,7 @@ def test_shipped_prompt_sets_are_disjoint() -> None:
     setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert {"tandem.training", "tandem.models.heads"} <= set(setup["packages"])
     assert setup["package-data"]["tandem.training"] == ["data/*.jsonl", "data/*.jsonl.gz"]
-    data = root / "engine" / "training" / "data"
+    data = root / "training" / "data"
     assert len(list(data.glob("*.jsonl.gz"))) >= 4, "the shipped answer files match the globs"
     assert "*/model.safetensors" in setup["package-data"]["tandem.models.heads"]
 
