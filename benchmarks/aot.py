@@ -142,7 +142,7 @@ def _signature(fn: Any, args: tuple[Any, ...]) -> tuple[dict[str, str], dict[str
 @contextlib.contextmanager
 def recording() -> Iterator[list[Variant]]:
     """Every kernel launch records its variant instead of running."""
-    from tandem.kernels.paged_attention import launch_hook
+    from tandem.kernels.launch import launch_hook
 
     found: list[Variant] = []
 
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    from tandem.kernels.paged_attention import triton_interpreter_enabled
+    from tandem.kernels.launch import triton_interpreter_enabled
 
     if triton_interpreter_enabled():
         ap.error("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")

@@ -185,7 +185,7 @@ def kernel_section(s: Setup) -> None:
     )
 
     print("\n== Triton kernels vs PyTorch (median ms; max |difference|)")
-    from tandem.kernels.paged_attention import triton_interpreter_enabled
+    from tandem.kernels.launch import triton_interpreter_enabled
 
     if s.device.type != "cuda" and not triton_interpreter_enabled():
         print("(Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1; skipped)")
@@ -244,11 +244,8 @@ def _attention_case(s: Setup, b: int, ql: int, gen: Any) -> list[str]:
     """One paged-attention shape: Triton, the vectorized PyTorch path and the loop reference."""
     import torch
 
-    from tandem.kernels.paged_attention import (
-        build_attention_plan,
-        paged_attention,
-        paged_attention_reference,
-    )
+    from tandem.kernels.attention_torch import build_attention_plan, paged_attention_reference
+    from tandem.kernels.paged_attention import paged_attention
 
     dev, dt, ctx = s.device, s.dtype, s.args.context
     heads, kv_heads = s.config.num_attention_heads, s.config.num_key_value_heads

@@ -92,7 +92,8 @@ def tree_inputs(s: Setup, decoder: Any, b: int) -> TreeInputs:
 def tree_meta(meta: Any, words: Any) -> Any:
     """``meta`` with the tree attention words (and, off the GPU paths, a plan built with them,
     as ``TreeDecoder.prepare_tree`` gives the target forward)."""
-    from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+    from tandem.kernels.attention_torch import build_attention_plan
+    from tandem.kernels.launch import gpu_paths
 
     plan = None
     if not gpu_paths(words):

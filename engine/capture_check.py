@@ -182,7 +182,7 @@ class CaptureHazards:
 
     def _device_work(self, *args: Any, **options: int) -> None:
         """A kernel launch: device work, whatever the interpreter does inside it."""
-        from tandem.kernels.paged_attention import run_launch
+        from tandem.kernels.launch import run_launch
 
         self.in_kernel = True
         try:
@@ -192,7 +192,7 @@ class CaptureHazards:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[CaptureHazards]:
-        from tandem.kernels.paged_attention import launch_hook
+        from tandem.kernels.launch import launch_hook
 
         with launch_hook(self._device_work), _Function(self), _Dispatch(self):
             yield self

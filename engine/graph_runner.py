@@ -42,7 +42,8 @@ from tandem.engine.sampler import SamplingTensors
 from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import PreparedInputs, StepInput
-from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+from tandem.kernels.attention_torch import build_attention_plan
+from tandem.kernels.launch import gpu_paths
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping
 

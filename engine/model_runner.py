@@ -50,7 +50,8 @@ from tandem.engine.step import (
     is_dummy,
     num_dummy_blocks,
 )
-from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+from tandem.kernels.attention_torch import build_attention_plan
+from tandem.kernels.launch import gpu_paths
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import all_ranks_true
 

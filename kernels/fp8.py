@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2, gpu_paths
+from tandem.kernels.launch import HAS_TRITON, gpu_paths, launch, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -116,9 +116,9 @@ def quantize_per_token_group(
     if m == 0:
         return q, scale
     x = x if x.stride(-1) == 1 else x.contiguous()
-    _launch(
+    launch(
         _quantize_group_kernel, (m, g), x.device,
-        x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), group, _next_pow2(group),
+        x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), group, next_pow2(group),
     )  # fmt: skip
     return q, scale
 
@@ -152,7 +152,7 @@ def fp8_block_gemm(
         return out
     block_m = 16 if m <= 16 else 64
     block_n = 128 if q_a.is_cuda else 32
-    _launch(
+    launch(
         _fp8_gemm_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), q_a.device,
         q_a, s_a, q_w, s_w, out, m, n, k,
         q_a.stride(0), s_a.stride(0), q_w.stride(0), s_w.stride(0), out.stride(0),

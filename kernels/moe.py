@@ -29,7 +29,7 @@ from tandem.kernels.fp8 import (
     quantize_per_token_group,
     quantize_per_token_group_reference,
 )
-from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2, gpu_paths
+from tandem.kernels.launch import HAS_TRITON, gpu_paths, launch, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -352,11 +352,11 @@ def _grouped_topk_triton(
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    _launch(
+    launch(
         _grouped_topk_kernel, (num_tokens,), logits.device,
         logits, bias.float().contiguous(), weights, ids, logits.stride(0), routed_scaling_factor,
         num_experts, num_experts // n_group, n_group, topk_group, top_k, norm_topk_prob,
-        _next_pow2(num_experts), _next_pow2(top_k),
+        next_pow2(num_experts), next_pow2(top_k),
     )  # fmt: skip
     return weights, ids
 
@@ -432,7 +432,7 @@ def _moe_experts_triton(
             raise ValueError(f"FP8 experts: K blocks of {group_k} are not a multiple of {block_k}")
         a, s_a = quantize_per_token_group(x, group_k, use_triton=True)
     upcast = not x.is_cuda
-    _launch(
+    launch(
         _moe_gemm_kernel, (num_blocks, triton.cdiv(inter, gate_n)), x.device,
         a, w13, act, sorted_pairs, block_expert, pair_w, num_pairs, inter, hidden,
         a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), inter,
@@ -443,7 +443,7 @@ def _moe_experts_triton(
     a, s_a = act, act
     if fp8:
         a, s_a = quantize_per_token_group(act, group_k, use_triton=True)
-    _launch(
+    launch(
         _moe_gemm_kernel, (num_blocks, triton.cdiv(hidden, block_n)), x.device,
         a, w2, out_pairs, sorted_pairs, block_expert, pair_w, num_pairs, hidden, inter,
         a.stride(0), w2.stride(0), w2.stride(1), out_pairs.stride(0), 0,

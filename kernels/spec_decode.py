@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem.kernels.paged_attention import HAS_TRITON, _launch, _next_pow2, gpu_paths
+from tandem.kernels.launch import HAS_TRITON, gpu_paths, launch, next_pow2
 
 if HAS_TRITON:
     import triton
@@ -133,10 +133,10 @@ def accept_matching(
     if b == 0:
         return num_accepted, tokens
     target_tokens, drafts = _rows_contiguous(target_tokens), _rows_contiguous(drafts)
-    _launch(
+    launch(
         _accept_matching_kernel, (b,), drafts.device,
         target_tokens, drafts, num_drafts.contiguous(), num_accepted, tokens,
-        target_tokens.stride(0), drafts.stride(0), k, _next_pow2(k + 1),
+        target_tokens.stride(0), drafts.stride(0), k, next_pow2(k + 1),
     )  # fmt: skip
     return num_accepted, tokens
 
@@ -181,13 +181,13 @@ def rejection_sample(
     p, q, noise = _last_contiguous(p), _last_contiguous(q), _last_contiguous(residual_noise)
     drafts, uniform = _rows_contiguous(drafts), _rows_contiguous(uniform)
     # The interpreter pays per tile: small tiles there so tests cover the multi-tile loop.
-    block_v = min(_next_pow2(v), 1024 if p.is_cuda else 64)
-    _launch(
+    block_v = min(next_pow2(v), 1024 if p.is_cuda else 64)
+    launch(
         _rejection_sample_kernel, (b,), p.device,
         p, q, drafts, num_drafts.contiguous(), uniform, noise, num_accepted, tokens,
         p.stride(0), p.stride(1), q.stride(0), q.stride(1), drafts.stride(0), uniform.stride(0),
         noise.stride(0), noise.stride(1), tokens.stride(0),
-        k, v, _next_pow2(k + 1), block_v,
+        k, v, next_pow2(k + 1), block_v,
     )  # fmt: skip
     return num_accepted, tokens
 
@@ -232,13 +232,13 @@ def build_draft_step0_inputs(
         return step_tokens, first_row + num_accepted
     tokens = _rows_contiguous(tokens)
     block_t = 128 if input_ids.is_cuda else 16
-    _launch(
+    launch(
         _step0_inputs_kernel, (triton.cdiv(t, block_t),), input_ids.device,
         first_row.contiguous(), num_accepted.contiguous(), tokens, input_ids.contiguous(),
         last_rows.contiguous(),
         next_tokens.contiguous(), step_tokens, gather_ids,
         t, b, s, tokens.stride(0), tokens.shape[1],
-        block_t, min(_next_pow2(max(b, s, 1)), STEP0_BLOCK_N if input_ids.is_cuda else 8),
+        block_t, min(next_pow2(max(b, s, 1)), STEP0_BLOCK_N if input_ids.is_cuda else 8),
     )  # fmt: skip
     return step_tokens, gather_ids
 

@@ -199,7 +199,7 @@ def fp8_compute_unavailable(device: torch.device) -> str | None:
     """Why weights cannot stay FP8 on ``device`` (None: they can): FP8 GEMMs need the GPU
     paths, Triton and FP8 tensor cores (compute capability 8.9)."""
     from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
-    from tandem.kernels.paged_attention import FORCE_GPU_PATHS, HAS_TRITON, gpu_paths
+    from tandem.kernels.launch import FORCE_GPU_PATHS, HAS_TRITON, gpu_paths
 
     if not gpu_paths(device):
         return "a CPU computes with dequantized weights"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tandem.kernels.paged_attention import FORCE_GPU_PATHS, GPU_PATHS_ENV
+from tandem.kernels.launch import FORCE_GPU_PATHS, GPU_PATHS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["none", "mtp-eagle", "eagle3", "mtp-vanilla", "eagle3-tree"]

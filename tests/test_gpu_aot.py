@@ -60,7 +60,7 @@ def test_the_checks_catch_shared_memory_spills_and_host_syncs(
     """The MLA tiles before this tool (the whole 576-wide head in one 1024 tile, 128 heads) are
     refused for shared memory and spills; an entry point that reads a value back to the host is
     a failure, not a silent pass."""
-    from tandem.kernels.paged_attention import triton_interpreter_enabled
+    from tandem.kernels.launch import triton_interpreter_enabled
 
     # Another test module switched the interpreter on (some kernels may have been made under
     # it): compile in a fresh process.

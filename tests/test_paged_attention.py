@@ -21,15 +21,13 @@ from triton_utils import run_in_fresh_interpreter
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
-from tandem.kernels.paged_attention import (  # noqa: E402
-    HAS_TRITON,
-    _paged_attention_torch,
+from tandem.kernels.attention_torch import (
     build_attention_plan,
-    paged_attention,
     paged_attention_reference,
-    triton_interpreter_enabled,
-    write_kv_cache,
+    paged_attention_torch,
 )
+from tandem.kernels.launch import HAS_TRITON, triton_interpreter_enabled
+from tandem.kernels.paged_attention import paged_attention, write_kv_cache
 
 INTERPRETER = triton_interpreter_enabled()
 needs_interpreter = pytest.mark.skipif(
@@ -251,7 +249,7 @@ def test_auto_dispatch_on_cpu_uses_torch_path():
     plan = build_attention_plan(
         b.block_tables, b.seq_lens, b.query_start_loc, 4, b.max_query_len, b.max_seq_len
     )
-    expected = _paged_attention_torch(b.q, b.k_cache, b.v_cache, plan, b.scale)
+    expected = paged_attention_torch(b.q, b.k_cache, b.v_cache, plan, b.scale)
     assert torch.equal(paged_attention(*b.args()), expected)
 
 

@@ -10,7 +10,7 @@ import torch
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, eagle3_tree_spec
 from tandem import LLM, SamplingParams
 from tandem.engine.speculative.interface import DraftRowPick, draft_layer_picks_rows
-from tandem.kernels.paged_attention import build_attention_plan
+from tandem.kernels.attention_torch import build_attention_plan
 from tandem.models.attention import AttentionMetadata
 from tandem.models.eagle3 import Eagle3MidLayer
 from tandem.models.loader import load_hf_config

@@ -20,13 +20,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
 from tandem.engine.speculative.tree import ancestor_mask, tree_attention_words  # noqa: E402
-from tandem.kernels.paged_attention import (  # noqa: E402
-    HAS_TRITON,
-    build_attention_plan,
-    paged_attention,
-    paged_attention_reference,
-    triton_interpreter_enabled,
-)
+from tandem.kernels.attention_torch import build_attention_plan, paged_attention_reference
+from tandem.kernels.launch import HAS_TRITON, triton_interpreter_enabled
+from tandem.kernels.paged_attention import paged_attention
 
 INTERPRETER = triton_interpreter_enabled()
 needs_interpreter = pytest.mark.skipif(

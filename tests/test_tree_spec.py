@@ -457,7 +457,7 @@ def test_frontier_rows_equal_their_paths_run_as_chains(
     writes. A tree word with a missing ancestor or an extra row, a wrong position or parent
     hidden state fails it."""
     from tandem.engine.speculative.tree_decoder import TreeDecoder
-    from tandem.kernels.paged_attention import build_attention_plan
+    from tandem.kernels.attention_torch import build_attention_plan
     from tandem.models.attention import AttentionMetadata
 
     head = tmp_path / "loud"

@@ -37,7 +37,8 @@ from tandem.engine.speculative.sampling import (
     widen_columns,
 )
 from tandem.kernels import cpu_decode
-from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+from tandem.kernels.attention_torch import build_attention_plan
+from tandem.kernels.launch import gpu_paths
 from tandem.kernels.spec_decode import accept_matching, build_draft_step0_inputs, rejection_sample
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping, adp_lm_head_tp_argmax

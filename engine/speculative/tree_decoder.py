@@ -69,7 +69,8 @@ from tandem.engine.speculative.tree_accept import (
     accept_tree_sampling,
 )
 from tandem.kernels import cpu_decode
-from tandem.kernels.paged_attention import build_attention_plan, gpu_paths
+from tandem.kernels.attention_torch import build_attention_plan
+from tandem.kernels.launch import gpu_paths
 from tandem.kernels.spec_decode import build_draft_step0_inputs
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping
