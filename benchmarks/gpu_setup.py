@@ -182,7 +182,7 @@ class Setup:
 
 
 def measure_bandwidth(s: Setup) -> float:
-    from tandem.bench.compare import measure_memory_bandwidth
+    from tandem.bench.compare_tables import measure_memory_bandwidth
 
     size = (64 << 20) if s.args.smoke else (2 << 30)
     bw = measure_memory_bandwidth(size, repeats=3 if s.args.smoke else 10, device=s.device.type)

@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import build_eagle3_draft
 from server_utils import RemoteServer, tiny_model, tiny_mtp_model
-from tandem.bench.compare import (
+from tandem.bench.compare_tables import (
     Row,
     format_step_costs,
     kv_bytes_per_step,
@@ -311,7 +311,7 @@ def test_compare_rounds_batch1_prompts_and_int8_drafts(
     """``--rounds 2`` runs the concurrency columns forward then backward (one figure from both),
     ``--batch1-prompts`` sets the batch-1 column's prompts, ``--draft-quantization`` reaches the
     speculative rows' configuration."""
-    from tandem.bench.compare import TandemSystem
+    from tandem.bench.compare_systems import TandemSystem
     from tandem.kernels import cpu_decode
 
     if cpu_decode.unavailable_reason() is not None:
@@ -352,7 +352,8 @@ def test_compare_stop_at_eos_ends_both_systems_at_the_same_token(tmp_path_factor
 
     import transformers as tf
 
-    from tandem.bench.compare import BenchConfig, TandemSystem, TransformersSystem
+    from tandem.bench.compare_systems import TandemSystem, TransformersSystem
+    from tandem.bench.compare_workloads import BenchConfig
 
     folder = tmp_path / "eos"
     shutil.copytree(tiny_model(tmp_path_factory), folder)
@@ -419,7 +420,7 @@ def test_compare_holds_every_tandem_row_to_a_json_schema(
 ):
     """``--json-schema``: the plain and speculative rows run constrained (each request's params
     carry the schema), the transformers rows say why they are missing."""
-    from tandem.bench.compare import TandemSystem
+    from tandem.bench.compare_systems import TandemSystem
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     path = tmp_path / "schema.json"
