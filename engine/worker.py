@@ -19,8 +19,7 @@ from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blo
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.tokenizer import load_tokenizer, model_eos_token_ids
 from tandem.kernels.cpu_decode import MAX_ROWS
-from tandem.models.layers import (
-    cover_positions,
+from tandem.models.cpu_linears import (
     pack_cpu_linears,
     quantize_int8_,
     use_cpu_matvec_linears,
@@ -29,6 +28,7 @@ from tandem.models.layers import (
 from tandem.models.llama import enable_cpu_fast_path
 from tandem.models.loader import load_draft, load_model
 from tandem.models.parallel import ParallelMapping
+from tandem.models.rotary import cover_positions
 
 logger = logging.getLogger(__name__)
 

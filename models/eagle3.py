@@ -18,12 +18,7 @@ from tandem.kernels import cpu_decode
 from tandem.models.attention import AttentionMetadata
 from tandem.models.draft import DraftHead, post_attention
 from tandem.models.eagle3_layout import Eagle3Layout, split_layer_key
-from tandem.models.layers import (
-    ParallelLMHead,
-    ReplicatedLinear,
-    RMSNorm,
-    VocabParallelEmbedding,
-)
+from tandem.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 from tandem.models.llama import (
     FastDraftLayer,
     LlamaAttention,

@@ -36,13 +36,14 @@ from tandem.models.deepseek_v3 import (
     load_deepseek_weights,
 )
 from tandem.models.draft import DraftHead
-from tandem.models.layers import ParallelLMHead, rope_parameters
+from tandem.models.layers import ParallelLMHead
 from tandem.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     head_dim_of,
 )
 from tandem.models.parallel import ParallelMapping
+from tandem.models.rotary import rope_parameters
 
 _QKV = re.compile(r"^(.*)\.(q|k|v)_proj\.(weight|bias)$")
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # transformers' Glm4MoeConfig default

@@ -10,21 +10,18 @@ from torch import nn
 
 from tandem.kernels import cpu_decode
 from tandem.models.attention import AttentionMetadata, PagedAttention
+from tandem.models.cpu_linears import pack_weight, use_cpu_matvec_lm_heads
 from tandem.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    get_rope,
-    pack_weight,
-    rope_parameters,
     silu_and_mul,
-    use_cpu_matvec_lm_heads,
 )
 from tandem.models.parallel import ParallelMapping, adp_all_gather_rows, adp_reduce_own_rows
+from tandem.models.rotary import RotaryEmbedding, get_rope, rope_parameters
 from tandem.models.weights import expected_keys, load_named_weights
 
 

@@ -27,16 +27,9 @@ from torch import nn
 
 from tandem.kernels.paged_attention import paged_attention, write_kv_cache
 from tandem.models.attention import AttentionMetadata, KVCacheSpec
-from tandem.models.layers import (
-    ColumnParallelLinear,
-    ReplicatedLinear,
-    RMSNorm,
-    RowParallelLinear,
-    get_rope,
-    rope_parameters,
-    yarn_mscale,
-)
+from tandem.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear
 from tandem.models.parallel import ParallelMapping, divide
+from tandem.models.rotary import get_rope, rope_parameters, yarn_mscale
 
 LORA_NORM_EPS = 1e-6  # the q_a / kv_a layernorms use the default eps, not rms_norm_eps
 

@@ -21,17 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.moe import grouped_topk, moe_experts
-from tandem.models.layers import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-    copy_checked,
-    default_weight_loader,
-    loaded_shape,
-    make_fp8,
-    read_loaded,
-    set_loader,
-    silu_and_mul,
-)
+from tandem.models.layers import MergedColumnParallelLinear, RowParallelLinear, silu_and_mul
 from tandem.models.parallel import (
     ParallelMapping,
     adp_all_gather_rows,
@@ -40,6 +30,14 @@ from tandem.models.parallel import (
     divide,
 )
 from tandem.models.quantization import DequantizedWeight, dequantize_fp8_blockwise
+from tandem.models.weights import (
+    copy_checked,
+    default_weight_loader,
+    loaded_shape,
+    make_fp8,
+    read_loaded,
+    set_loader,
+)
 
 
 class MoEGate(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 # checkpoint name fragment → (our fused parameter fragment, shard id)
@@ -70,3 +71,53 @@ def expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> set[str]:
         else:
             out.add(name)
     return out
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a lazy safetensors slice."""
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def narrow_loaded(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """Read ``[start, start + size)`` along ``dim`` (0 or 1) from a tensor or lazy slice."""
+    if dim == 0:
+        return loaded[start : start + size]
+    return loaded[:, start : start + size]
+
+
+def read_loaded(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, what: str = "tensor") -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise ValueError(
+            f"shape mismatch for {what}: checkpoint has {tuple(value.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(value.to(param.dtype))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    copy_checked(param, read_loaded(loaded))
+
+
+def set_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def make_fp8(module: nn.Module, name: str, block: tuple[int, int]) -> None:
+    """Replace ``module.<name>`` ([..., N, K], same device and loader) with an empty
+    float8_e4m3fn parameter and add its block scales ``<name>_scale_inv`` [..., ceil(N / bn),
+    ceil(K / bk)] (a buffer the loader fills from the checkpoint)."""
+    old = getattr(module, name)
+    *lead, n, k = old.shape
+    fp8 = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=old.device)
+    setattr(module, name, set_loader(nn.Parameter(fp8, requires_grad=False), module.weight_loader))
+    grid = (*lead, -(-n // block[0]), -(-k // block[1]))
+    module.register_buffer(
+        f"{name}_scale_inv", torch.zeros(grid, device=old.device), persistent=False
+    )

@@ -75,7 +75,8 @@ def test_dtype_auto_follows_checkpoint(tmp_path: Path) -> None:
 
 def test_packed_bf16_linears_match_plain_ones(tmp_path: Path) -> None:
     # On CPU the engine packs bf16 linear weights for oneDNN; logits stay those of F.linear.
-    from tandem.models.layers import LinearBase, pack_cpu_linears
+    from tandem.models.cpu_linears import pack_cpu_linears
+    from tandem.models.layers import LinearBase
     from tandem.models.loader import load_model
 
     folder = build_llama(tmp_path / "m", dtype=torch.bfloat16, tie=True)

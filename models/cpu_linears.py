@@ -1,0 +1,110 @@
+"""The CPU decode fast path's view of the linears: weights packed for its matrix products (and
+the eager layers of larger steps), int8 rows for draft heads (``draft_quantization``), and the
+matrix-vector path of LM heads and draft linears."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels import cpu_decode
+from tandem.models.layers import LinearBase, ParallelLMHead, packed_linear
+
+INT8_ROWS = "int8_rows"  # a weight's attribute: its (q, scale) from ``quantize_int8_``
+
+
+def quantize_int8_(modules: Iterable[nn.Module]) -> int:
+    """Int8 rows for the weight of every 2-D ``LinearBase`` / ``ParallelLMHead`` among
+    ``modules`` (``speculative_config.draft_quantization``): each module computes with the
+    dequantized values from then on (a new tensor, so a weight shared with another model keeps
+    its own), and ``pack_weight`` packs the int8 rows themselves for the CPU fast path. Returns
+    how many weights were quantized."""
+    n = 0
+    for m in modules:
+        if not isinstance(m, (LinearBase, ParallelLMHead)) or m.weight.dim() != 2:
+            continue
+        q, scale = cpu_decode.quantize_int8(m.weight)
+        weight = nn.Parameter(
+            cpu_decode.dequantize_int8(q, scale, m.weight.dtype), requires_grad=False
+        )
+        setattr(weight, INT8_ROWS, (q, scale))
+        m.weight = weight
+        n += 1
+    return n
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The CPU fast path's packed copy of ``weight``: its int8 rows where ``quantize_int8_``
+    gave it some, else the weight itself."""
+    rows = getattr(weight, INT8_ROWS, None)
+    return cpu_decode.pack(weight) if rows is None else cpu_decode.pack_int8(*rows)
+
+
+def _pack_for_cpu_matvec(modules: Iterable[nn.Module]) -> int:
+    """Give each of ``modules`` whose weight is a CPU matrix in a fast-path dtype a packed copy
+    (``fast_weight``), which its forward then reads through ``kernels.cpu_decode.linear`` (read
+    once for all rows; the caller has loaded the extension). Returns how many were packed."""
+    n = 0
+    for m in modules:
+        w = m.weight
+        if w.device.type == "cpu" and w.dtype in cpu_decode.DTYPES and w.dim() == 2:
+            m.fast_weight = pack_weight(w)
+            n += 1
+    return n
+
+
+def use_cpu_matvec_lm_heads(model: nn.Module) -> int:
+    """Route the logits of every unsharded CPU LM head in ``model`` through
+    ``kernels.cpu_decode.linear``. Returns how many heads were switched."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    return _pack_for_cpu_matvec(m for m in heads if m.mapping.tp_size == 1)
+
+
+def use_cpu_matvec_linears(model: nn.Module) -> int:
+    """The same for every bias-free linear of ``model`` that no fast-path layer serves yet (a
+    draft head's ``fc`` / ``eh_proj``, the layers of an eager MTP block)."""
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    return _pack_for_cpu_matvec(m for m in linears if m.fast_weight is None and m.bias is None)
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Give every bfloat16 linear and LM head of ``model`` on CPU (but those the fast path's
+    packed copy already serves: ``fast_weight``) a copy of its weight in oneDNN's blocked layout, which its matrix-vector products read faster than the plain layout
+    (decode is bound by reading weights). Inference only: the copy does not follow later
+    in-place weight updates. Returns the number of packed weights; 0 where oneDNN bf16 is
+    unavailable or disagrees with ``F.linear`` on a probe."""
+    targets = [
+        m
+        for m in model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead))
+        and m.fast_weight is None  # the fast path's packed copy serves it
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.bfloat16
+        and m.weight.dim() == 2
+    ]
+    if not targets:
+        return 0
+    try:
+        if not (
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            return 0
+        w = targets[0].weight.detach()
+        probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = probe.to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if not torch.allclose(
+            packed_linear(probe, packed, None).float(),
+            F.linear(probe, w).float(),
+            rtol=1e-2,
+            atol=1e-2,
+        ):
+            return 0
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return 0
+    for m in targets:
+        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1)
+    return len(targets)
