@@ -51,7 +51,8 @@ from tandem.bench.compare_workloads import (
     same_tokenizer,
     spec_choice,
 )
-from tandem.bench.serve import BenchError, int_list
+from tandem.bench.serve import int_list
+from tandem.bench.support import BenchError
 
 BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
 BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"

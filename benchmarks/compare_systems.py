@@ -11,7 +11,7 @@ from typing import Any
 
 from tandem.bench.compare_tables import Row
 from tandem.bench.compare_workloads import BenchConfig, cycle_prompts
-from tandem.bench.serve import BenchError
+from tandem.bench.support import BenchError
 
 
 class TandemSystem:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.serve import EVAL_PROMPTS, BenchError, read_jsonl_prompts
+from tandem.bench.serve_requests import EVAL_PROMPTS, read_jsonl_prompts
+from tandem.bench.support import BenchError
 
 REPO = Path(__file__).resolve().parent.parent
 

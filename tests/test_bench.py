@@ -19,13 +19,8 @@ from tandem.bench.compare_tables import (
     roofline_tokens_per_s,
     weight_bytes_per_step,
 )
-from tandem.bench.serve import (
-    arrival_delays,
-    format_block,
-    parse_metrics,
-    speculative_stats,
-    summarize,
-)
+from tandem.bench.serve_report import format_block, parse_metrics, speculative_stats, summarize
+from tandem.bench.serve_requests import arrival_delays
 from tandem.cli import main
 
 BLOCK_LABELS = (
