@@ -268,7 +268,7 @@ def test_min_tokens_with_a_stop_string_keeps_text_equal_to_tokens(
 def test_host_rows_reads_every_part_in_its_own_dtype() -> None:
     """The step's one host read: ints stay ints (exact past 2**53, where a float64 trip rounds
     them), float32 values stay their float32 values, bools read as 0 / 1, row by row."""
-    from tandem.engine.model_runner import host_rows
+    from tandem.engine.step_io import host_rows
 
     ids = torch.tensor([[2**53 + 1, -3], [7, 2**62]])
     lp = torch.tensor([[0.1], [-1e-30]], dtype=torch.float32)
