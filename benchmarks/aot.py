@@ -161,7 +161,6 @@ def package_kernels() -> set[str]:
     modules = [
         importlib.import_module(f"tandem.kernels.{info.name}")
         for info in pkgutil.iter_modules(tandem.kernels.__path__)
-        if info.name != "aot"
     ]
     return {
         name.lstrip("_") for m in modules for name, obj in vars(m).items() if isinstance(obj, kinds)
