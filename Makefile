@@ -26,7 +26,7 @@ IMAGE_TRITON_DIR := $(VENV)/triton-image
 IMAGE_TRITON_STAMP := $(IMAGE_TRITON_DIR)/.triton-$(IMAGE_TRITON)
 AOT_ARGS ?=
 
-.PHONY: setup test lint format serve bench clean lock test-latest gpu-aot
+.PHONY: setup test test-fast lint format serve bench clean lock test-latest gpu-aot
 
 setup: $(STAMP) $(IMAGE_TRITON_STAMP)
 
@@ -58,9 +58,20 @@ TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS) \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
 	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# The inner loop: the test files the change can reach (scripts/changed_tests.py: the files it
+# touched, their importers through the package's imports, the helpers of tests/), in parallel;
+# BASE=REV compares with another revision (default: the upstream branch, else HEAD).
+BASE ?=
+test-fast: setup
+	@tests=$$($(BIN)/python scripts/changed_tests.py $(if $(BASE),--base $(BASE))); \
+	if [ -z "$$tests" ]; then echo "test-fast: no test file reaches the change"; \
+	else echo "test-fast: $$(echo $$tests | wc -w) test files"; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$$tests $(PYTEST_ARGS); fi
 
 lint: setup
 	$(BIN)/ruff check .

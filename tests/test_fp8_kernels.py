@@ -28,12 +28,12 @@ from tandem.kernels.fp8 import (  # noqa: E402
     quantize_per_token_group,
     quantize_per_token_group_reference,
 )
+from tandem.kernels.launch import triton_interpreter_enabled  # noqa: E402
 from tandem.kernels.moe import (  # noqa: E402
     moe_experts,
     moe_experts_fp8_reference,
     moe_experts_reference,
 )
-from tandem.kernels.paged_attention import triton_interpreter_enabled  # noqa: E402
 from tandem.models.quantization import quantize_fp8_blockwise  # noqa: E402
 
 INTERPRETER = triton_interpreter_enabled()

@@ -19,7 +19,10 @@ from triton_utils import run_in_fresh_interpreter
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
-from tandem.kernels.launch import HAS_TRITON
+from tandem.kernels.launch import (
+    HAS_TRITON,  # noqa: E402
+    triton_interpreter_enabled,  # noqa: E402
+)
 from tandem.kernels.moe import (  # noqa: E402
     grouped_topk,
     grouped_topk_reference,
@@ -27,7 +30,6 @@ from tandem.kernels.moe import (  # noqa: E402
     moe_experts,
     moe_experts_reference,
 )
-from tandem.kernels.paged_attention import triton_interpreter_enabled  # noqa: E402
 
 INTERPRETER = triton_interpreter_enabled()
 needs_interpreter = pytest.mark.skipif(

@@ -20,8 +20,10 @@ from triton_utils import run_in_fresh_interpreter
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton / kernels are imported
 
-from tandem.kernels.launch import HAS_TRITON
-from tandem.kernels.paged_attention import triton_interpreter_enabled  # noqa: E402
+from tandem.kernels.launch import (
+    HAS_TRITON,  # noqa: E402
+    triton_interpreter_enabled,  # noqa: E402
+)
 from tandem.kernels.spec_decode import (  # noqa: E402
     accept_matching,
     accept_matching_reference,
