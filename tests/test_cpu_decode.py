@@ -467,17 +467,24 @@ def test_the_build_targets_the_best_instruction_set_the_cpu_has(
     assert ext is not None and ext.isa() == cpu_decode.isa()
 
 
-def test_a_build_killed_midway_does_not_stop_later_loads() -> None:
+def test_a_build_killed_midway_does_not_stop_later_loads(tmp_path: Path) -> None:
     """torch's build lock file outlives a build that was killed (Ctrl-C at the first start); the
-    next load, in a new process, clears it rather than waiting on it forever."""
+    next load, in a new process, clears it rather than waiting on it forever. In a copy of the
+    build folder: a lock left in the shared one would stop the loads of other processes (the
+    other test processes under pytest-xdist)."""
     if cpu_decode.load_extension() is None:
         pytest.skip(f"no fast path here: {cpu_decode.unavailable_reason()}")
     branch = cpu_decode.isa()
     assert branch is not None
-    lock = cpu_decode.build_directory(cpu_decode.extension_name(branch)) / "lock"
+    name = cpu_decode.extension_name(branch)
+    shutil.copytree(cpu_decode.build_directory(name), tmp_path / name)
+    lock = tmp_path / name / "lock"
     lock.touch()  # what the killed build left
     load = "from tandem.kernels import cpu_decode; assert cpu_decode.load_extension()"
-    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not lock.exists()
 

@@ -4,8 +4,8 @@ disconnects and aborts. Every completed request must carry correct usage, greedy
 depend on the load, and after the drain nothing may be left: no running or waiting request, no
 KV block held, nothing tracked by the API process (all read from /metrics over HTTP).
 
-``TANDEM_SOAK_S`` sets how long the clients send (default 20 s: some 2,700 requests on 2 cores,
-every kind of job hundreds of times, over 400 disconnects and aborts; the drain adds a few
+``TANDEM_SOAK_S`` sets how long the clients send (default 10 s: some 1,100 requests on 2 cores,
+every kind of job over a hundred times, some 180 disconnects and aborts; the drain adds a few
 seconds)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_mtp_model, wait_until
 
-SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "20"))  # load; the drain adds a few s
+SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "10"))  # load; the drain adds a few s
 CLIENTS = 64
 NAME = "soak"
 LABEL = {"model_name": NAME}
