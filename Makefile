@@ -51,10 +51,11 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 # The suite in two parts: everything that can share the machine on TEST_WORKERS processes
-# (pytest-xdist; whole files per process, so a module's server or ranks start once), then the
-# tests marked `serial` (timing-sensitive) alone. Exit status 5 is "nothing selected" (a
-# PYTEST_ARGS that picks tests of one part only).
-TEST_WORKERS ?= 2
+# (pytest-xdist; whole files per process, so a module's server or ranks start once; three on 2
+# cores: many tests wait on servers and ranks more than they compute), then the tests marked
+# `serial` (timing-sensitive) alone. Exit status 5 is "nothing selected" (a PYTEST_ARGS that
+# picks tests of one part only).
+TEST_WORKERS ?= 3
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

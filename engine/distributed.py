@@ -10,7 +10,8 @@ Two groups per replica:
   the other ranks wait on it between steps for as long as the server idles, so theirs is
   effectively unbounded. They learn of a dead rank 0 from the closed connection, or, when it
   spawned them, from ``start_parent_watchdog``. Across nodes rank 0 pings the control group
-  while idle and the other ranks wait at most the collective timeout (a lost network ends them).
+  while idle and the other ranks wait at most 1.5 times the collective timeout (a lost network
+  ends them; rank 0, whose ping times out first, reports it).
 
 Rendezvous: a local spawn uses a ``TCPStore`` on 127.0.0.1 with an OS-picked free port; across
 nodes node 0 hosts it at ``--dist-init-addr`` (engine/multinode.py); a launch by ``torchrun`` (or
@@ -18,7 +19,7 @@ any launcher that sets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`
 standard ``env://`` rendezvous, and so does ``srun`` with one task per rank once
 ``adopt_slurm_launch`` has written those variables from ``SLURM_*``. Under a launcher every rank
 is its own process: only global rank 0 serves HTTP, rank 0 pings the control group while idle
-and the other ranks wait at most the collective timeout, as across nodes.
+and the other ranks wait at most 1.5 times the collective timeout, as across nodes.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ STARTUP_TIMEOUT_ENV = "TANDEM_DIST_STARTUP_TIMEOUT_S"
 DEFAULT_STARTUP_TIMEOUT_S = 1800.0
 # Ranks 1..N-1 waiting for the next step: not a failure, however long the server idles.
 IDLE_TIMEOUT = timedelta(days=365)
+
+
+def follower_idle_timeout(timeout: timedelta) -> timedelta:
+    """How long ranks 1..N-1 across nodes (or under a launcher) wait for the next step or ping:
+    half as long again as rank 0's collectives, so that when a peer stops answering, rank 0's
+    ping fails first and reports it (a follower that timed out in the same instant raced it, and
+    the failure named whichever came first)."""
+    return timeout * 1.5
 
 
 def collective_timeout(timeout_s: float | None = None) -> timedelta:

@@ -31,6 +31,7 @@ from tandem.engine.distributed import (
     collective_timeout,
     connect_store,
     destroy_distributed,
+    follower_idle_timeout,
     gather_objects,
     init_distributed,
     rank_device,
@@ -112,12 +113,13 @@ def rank_mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> Para
 def join_launched_world(config: EngineConfig, launch: LaunchEnv) -> tuple[ProcessGroups, Worker]:
     """Under an external launcher (torchrun, srun): join the ``env://`` world, check that every
     rank got the same arguments, and load this rank's shard. Ranks other than 0 wait for a step
-    at most the collective timeout (rank 0 pings the control group while idle)."""
+    at most 1.5 times the collective timeout (rank 0 pings the control group while idle)."""
     timeout = collective_timeout()
     device = rank_device(config.device, launch.local_rank)
     if device.type == "cpu" and launch.local_world_size:  # ranks share the node's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
-    groups = init_distributed(launch.rank, launch.world_size, device, timeout, None, timeout)
+    idle = follower_idle_timeout(timeout)
+    groups = init_distributed(launch.rank, launch.world_size, device, timeout, None, idle)
     agree_in_world(config, groups.control)
     worker = Worker(
         dataclasses.replace(config, device=device),
@@ -176,7 +178,7 @@ def _spawned_rank_main(
         else:
             store = connect_store(place.port, world, timeout, place.host)
         device = rank_device(config.device, place.local_rank)
-        idle = timeout if place.multinode else IDLE_TIMEOUT
+        idle = follower_idle_timeout(timeout) if place.multinode else IDLE_TIMEOUT
         groups = init_distributed(rank, world, device, timeout, store, idle)
 
         def agree(blocks: int) -> int:

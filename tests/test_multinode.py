@@ -234,7 +234,6 @@ def one_rank_reference(model_dir: Path, **llm_args: str) -> list[tuple[str, list
     return [(o.text, [token_text.text(t) for t in o.token_ids]) for o in outs]
 
 
-@pytest.mark.serial  # which detection wins (the ping, a local rank's own timeout) is a race
 def test_two_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0(model_dir, reference):
     addr = f"127.0.0.1:{free_port()}"
     node0, node1 = _start(model_dir, 0, addr), _start(model_dir, 1, addr)
@@ -387,7 +386,6 @@ def test_a_stopped_node_1_rank_ends_the_stream_and_node_0(model_dir):
         node1.stop()
 
 
-@pytest.mark.serial  # which detection wins (the ping, a local rank's own timeout) is a race
 def test_a_rank_stopped_while_idle_fails_the_ping(model_dir):
     """SIGSTOP of a node-1 rank while no request runs: rank 0's ping (a gloo broadcast, which
     waits for each receiver) fails within the collective timeout, so node 0 turns 503 and exits
