@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -146,9 +147,16 @@ def load_extension() -> Any | None:
             with open(folder.with_suffix(".flock"), "a") as held:
                 fcntl.flock(held, fcntl.LOCK_EX)
                 (folder / "lock").unlink(missing_ok=True)
+                # Built from a copy inside the folder: torch rebuilds when the build file names
+                # another source path, so every install (venv, wheel, image) sharing the cache
+                # rebuilt the others' build at its start. The folder's name is the source's
+                # hash: the copy is the same file.
+                source = folder / SOURCE.name
+                if not source.exists():
+                    shutil.copyfile(SOURCE, source)
                 _ext = load(
                     name=name,
-                    sources=[str(SOURCE)],
+                    sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", *ISA_CFLAGS[branch], expect, "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),

@@ -489,6 +489,34 @@ def test_a_build_killed_midway_does_not_stop_later_loads(tmp_path: Path) -> None
     assert not lock.exists()
 
 
+def test_another_install_loads_the_cached_build(tmp_path: Path) -> None:
+    """A second install of the same source (another venv, the wheel, the image) finds the
+    build in the shared cache and loads it: the build names a copy of the source inside its
+    folder, not the first install's path (torch rebuilt whenever that path changed, so every
+    install sharing the cache rebuilt the others' extension at its start)."""
+    if cpu_decode.load_extension() is None:
+        pytest.skip(f"no fast path here: {cpu_decode.unavailable_reason()}")
+    branch = cpu_decode.isa()
+    assert branch is not None
+    library = next(cpu_decode.build_directory(cpu_decode.extension_name(branch)).glob("*.so"))
+    built = library.stat().st_mtime_ns
+    other = tmp_path / "other" / "tandem"  # the package's kernels at another path
+    other.mkdir(parents=True)
+    root = Path(cpu_decode.__file__).resolve().parents[1]
+    shutil.copy(root / "__init__.py", other)
+    shutil.copy(root / "version.py", other)
+    shutil.copytree(root / "kernels", other / "kernels")
+    load = "from tandem.kernels import cpu_decode; assert cpu_decode.load_extension(); print(cpu_decode.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(other.parent)}  # the same cache folder
+    proc = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(other / "kernels" / "cpu_decode.py")
+    assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
+
+
 def test_a_branch_the_cpu_cannot_run_is_refused_with_a_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
