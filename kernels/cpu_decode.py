@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import sys
+import sysconfig
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,9 +105,17 @@ def unavailable_reason() -> str | None:
 
 
 def extension_name(branch: str) -> str:
-    """The module's name: the source, torch, Python and the instruction set name it, so an
-    edited source, or a cache shared with a machine of another kind, never loads a stale build."""
-    key = SOURCE.read_bytes() + f"{torch.__version__} {sys.version_info[:2]} {branch}".encode()
+    """The module's name: the source, torch (its version and where it is installed), Python and
+    the instruction set name it, so an edited source, or a cache shared with a machine of another
+    kind, never loads a stale build, and installs of torch at other paths (another venv, the
+    wheel's, the image's) build their own: the build's commands name torch's headers and
+    libraries by path, and torch rebuilt the one folder whenever they changed, so two installs
+    sharing the cache rebuilt each other's build at every start."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    key = SOURCE.read_bytes() + (
+        f"{torch.__version__} {torch_dir} {sys.version_info[:2]} {sysconfig.get_path('include')} "
+        f"{branch}"
+    ).encode()
     return f"tandem_cpu_decode_{hashlib.sha256(key).hexdigest()[:16]}"
 
 

@@ -517,6 +517,17 @@ def test_another_install_loads_the_cached_build(tmp_path: Path) -> None:
     assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
 
 
+def test_an_install_of_torch_elsewhere_builds_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch installed at another path (the wheel's venv, the image's) names another build: its
+    build commands name that torch's headers and libraries, and sharing one folder made each
+    install rebuild the other's at every start."""
+    branch = cpu_decode.isa() or "avx2"
+    here = cpu_decode.extension_name(branch)
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert cpu_decode.extension_name(branch) != here
+    monkeypatch.undo()
+    assert cpu_decode.extension_name(branch) == here
+
 def test_a_branch_the_cpu_cannot_run_is_refused_with_a_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
