@@ -112,10 +112,13 @@ def extension_name(branch: str) -> str:
     libraries by path, and torch rebuilt the one folder whenever they changed, so two installs
     sharing the cache rebuilt each other's build at every start."""
     torch_dir = Path(torch.__file__).resolve().parent
-    key = SOURCE.read_bytes() + (
-        f"{torch.__version__} {torch_dir} {sys.version_info[:2]} {sysconfig.get_path('include')} "
-        f"{branch}"
-    ).encode()
+    key = (
+        SOURCE.read_bytes()
+        + (
+            f"{torch.__version__} {torch_dir} {sys.version_info[:2]} {sysconfig.get_path('include')} "
+            f"{branch}"
+        ).encode()
+    )
     return f"tandem_cpu_decode_{hashlib.sha256(key).hexdigest()[:16]}"
 
 

@@ -528,6 +528,7 @@ def test_an_install_of_torch_elsewhere_builds_its_own(monkeypatch: pytest.Monkey
     monkeypatch.undo()
     assert cpu_decode.extension_name(branch) == here
 
+
 def test_a_branch_the_cpu_cannot_run_is_refused_with_a_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
