@@ -12,9 +12,17 @@
 // models/llama.py and models/layers.py (their reference). Built at first use by
 // kernels/cpu_decode.py.
 
+// ATen's tensor, the factories used and pybind11 with torch's tensor casters, not
+// <torch/extension.h>: that header (all of torch's C++ API) took 12 s of the compiler's time to
+// read, most of each build.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1054,20 +1062,20 @@ void attention(const T* qkv, int64_t row_stride, const T* k_cache, const T* v_ca
 // ---------------------------------------------------------------- the stack
 
 template <typename T>
-T* ptr(const torch::Tensor& t) {
+T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // A weight packed by ``pack`` for an [O, K] matrix, checked against that shape.
-Mat packed(const torch::Tensor& t, int64_t O, int64_t K) {
-  if (t.scalar_type() == torch::kChar) {
+Mat packed(const at::Tensor& t, int64_t O, int64_t K) {
+  if (t.scalar_type() == at::kChar) {
     TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.size(0) == ceil_div(O, LANES) &&
                     t.size(1) == q8_block_bytes(K),
                 "an int8 packed weight does not match its shape [", O, ", ", K, "]: got ",
                 t.sizes());
     return Mat{t.data_ptr(), O, K, true};
   }
-  const bool bf16 = t.scalar_type() == torch::kBFloat16;
+  const bool bf16 = t.scalar_type() == at::kBFloat16;
   const std::vector<int64_t> want =
       bf16 ? std::vector<int64_t>{ceil_div(O, LANES), ceil_div(K, 2), LANES, 2}
            : std::vector<int64_t>{ceil_div(O, LANES), K, LANES};
@@ -1086,8 +1094,8 @@ struct Step {
   const Paged& p;
   KeySlots keys;
   Step(int64_t M, int64_t H, int64_t Hkv, int64_t D, int64_t hidden, int64_t inter, double eps,
-       double scale, const torch::Tensor& positions, const torch::Tensor& slots,
-       const torch::Tensor& cos_sin, const Paged& p, int64_t num_slots)
+       double scale, const at::Tensor& positions, const at::Tensor& slots,
+       const at::Tensor& cos_sin, const Paged& p, int64_t num_slots)
       : M(M), H(H), Hkv(Hkv), D(D), hidden(hidden), inter(inter), eps(static_cast<float>(eps)),
         scale(static_cast<float>(scale)), pos(positions.data_ptr<int64_t>()),
         slot(slots.data_ptr<int64_t>()), cos_sin(cos_sin.data_ptr<float>()), p(p),
@@ -1126,21 +1134,21 @@ void mlp_block(int64_t rows, int64_t hidden, float eps, const T* residual, const
 }
 
 template <typename T>
-std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
-                                     const std::vector<torch::Tensor>& weights,
-                                     const std::vector<torch::Tensor>& caches,
-                                     const torch::Tensor& final_norm,
+std::vector<at::Tensor> run_stack(const at::Tensor& x, const Step& s,
+                                     const std::vector<at::Tensor>& weights,
+                                     const std::vector<at::Tensor>& caches,
+                                     const at::Tensor& final_norm,
                                      const std::vector<int64_t>& capture) {
   const int64_t M = s.M, hidden = s.hidden;
   const int64_t layers = static_cast<int64_t>(caches.size() / 2);
   const int64_t width = (s.H + 2 * s.Hkv) * s.D;
   auto opts = x.options();
-  torch::Tensor residual = x.clone();
-  torch::Tensor mlp_out = torch::empty({M, hidden}, opts);
+  at::Tensor residual = x.clone();
+  at::Tensor mlp_out = at::empty({M, hidden}, opts);
   std::vector<T> h(M * hidden);
-  std::vector<torch::Tensor> result(1 + capture.size());
+  std::vector<at::Tensor> result(1 + capture.size());
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = &weights[l * 6];
+    const at::Tensor* w = &weights[l * 6];
     const Mat qkv = packed(w[1], width, hidden), o = packed(w[2], hidden, s.H * s.D);
     const Mat gate_up = packed(w[4], 2 * s.inter, hidden), down = packed(w[5], hidden, s.inter);
     if (l > 0) add_into(ptr<T>(mlp_out), ptr<T>(residual), M * hidden);
@@ -1151,14 +1159,14 @@ std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
     mlp_block(M, hidden, s.eps, ptr<T>(residual), ptr<T>(w[3]), gate_up, down, ptr<T>(mlp_out));
     for (size_t c = 0; c < capture.size(); ++c) {
       if (capture[c] == l) {
-        torch::Tensor cap = residual.clone();
+        at::Tensor cap = residual.clone();
         add_into(ptr<T>(mlp_out), ptr<T>(cap), M * hidden);
         result[1 + c] = cap;
       }
     }
   }
   add_into(ptr<T>(mlp_out), ptr<T>(residual), M * hidden);
-  torch::Tensor out = torch::empty({M, hidden}, opts);
+  at::Tensor out = at::empty({M, hidden}, opts);
   rms_norm(ptr<T>(residual), ptr<T>(final_norm), ptr<T>(out), M, hidden, s.eps);
   result[0] = out;
   return result;
@@ -1169,10 +1177,10 @@ std::vector<torch::Tensor> run_stack(const torch::Tensor& x, const Step& s,
 // pre-norm output [P, hidden]. weights: input norm, hidden norm, QKV, O, post-attention norm,
 // gate/up, down.
 template <typename T>
-torch::Tensor run_eagle3(const torch::Tensor& embeds, const torch::Tensor& hidden_in,
+at::Tensor run_eagle3(const at::Tensor& embeds, const at::Tensor& hidden_in,
                          const std::vector<int64_t>& pick, const Step& s,
-                         const std::vector<torch::Tensor>& w, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache) {
+                         const std::vector<at::Tensor>& w, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache) {
   const int64_t M = s.M, H = s.hidden, P = static_cast<int64_t>(pick.size());
   std::vector<T> x(M * 2 * H), o(M * H);
   for (int64_t m = 0; m < M; ++m) {
@@ -1182,12 +1190,12 @@ torch::Tensor run_eagle3(const torch::Tensor& embeds, const torch::Tensor& hidde
   const Mat qkv = packed(w[2], (s.H + 2 * s.Hkv) * s.D, 2 * H), wo = packed(w[3], H, s.H * s.D);
   const Mat gate_up = packed(w[5], 2 * s.inter, H), down = packed(w[6], H, s.inter);
   attention_block(s, x.data(), qkv, wo, ptr<T>(k_cache), ptr<T>(v_cache), o.data());
-  torch::Tensor residual = torch::empty({P, H}, embeds.options());
+  at::Tensor residual = at::empty({P, H}, embeds.options());
   for (int64_t i = 0; i < P; ++i) {
     std::memcpy(ptr<T>(residual) + i * H, o.data() + pick[i] * H, H * sizeof(T));
     add_into(ptr<T>(hidden_in) + pick[i] * H, ptr<T>(residual) + i * H, H);
   }
-  torch::Tensor out = torch::empty({P, H}, embeds.options());
+  at::Tensor out = at::empty({P, H}, embeds.options());
   mlp_block(P, H, s.eps, ptr<T>(residual), ptr<T>(w[4]), gate_up, down, ptr<T>(out));
   add_into(ptr<T>(residual), ptr<T>(out), P * H);
   return out;
@@ -1199,22 +1207,22 @@ namespace {
 
 // Checks what one step's rows index (positions, write slots, sequences, key counts, caches)
 // and returns the paged-cache view of the step.
-Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
-                 const torch::Tensor& slots, const torch::Tensor& row_seq,
-                 const torch::Tensor& kv_len, const torch::Tensor& block_tables,
-                 const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& weights,
-                 const torch::Tensor& cos_sin, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t block_size, const torch::Tensor& tree_words = torch::Tensor()) {
+Paged check_step(const at::Tensor& x, const at::Tensor& positions,
+                 const at::Tensor& slots, const at::Tensor& row_seq,
+                 const at::Tensor& kv_len, const at::Tensor& block_tables,
+                 const std::vector<at::Tensor>& caches, const std::vector<at::Tensor>& weights,
+                 const at::Tensor& cos_sin, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t block_size, const at::Tensor& tree_words = at::Tensor()) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, hidden] tensor");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
-  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.size(1) == head_dim,
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.size(1) == head_dim,
               "cos_sin must be float32 [positions, head_dim]");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt, "block_tables must be int32");
   for (const auto& t : weights) {
     TORCH_CHECK(t.is_contiguous() &&
                     (t.scalar_type() == x.scalar_type() ||
-                     (t.scalar_type() == torch::kChar && t.dim() == 2)),
+                     (t.scalar_type() == at::kChar && t.dim() == 2)),
                 "weights must be contiguous and in the activation dtype (matrices: or int8)");
   }
   for (const auto& t : caches) {
@@ -1237,7 +1245,7 @@ Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
   }
   const bool tree = tree_words.defined() && tree_words.numel() > 0;
   if (tree) {
-    TORCH_CHECK(tree_words.scalar_type() == torch::kLong && tree_words.is_contiguous() &&
+    TORCH_CHECK(tree_words.scalar_type() == at::kLong && tree_words.is_contiguous() &&
                     tree_words.size(0) == x.size(0),
                 "tree_words must be int64 [M]");
   }
@@ -1252,11 +1260,11 @@ Paged check_step(const torch::Tensor& x, const torch::Tensor& positions,
 }  // namespace
 
 // Returns [final normed hidden [M, hidden], the residual stream after each capture layer].
-std::vector<torch::Tensor> llama_stack(
-    torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
-    torch::Tensor kv_len, torch::Tensor block_tables, torch::Tensor tree_words,
-    std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches,
-    torch::Tensor final_norm, torch::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads,
+std::vector<at::Tensor> llama_stack(
+    at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor row_seq,
+    at::Tensor kv_len, at::Tensor block_tables, at::Tensor tree_words,
+    std::vector<at::Tensor> weights, std::vector<at::Tensor> caches,
+    at::Tensor final_norm, at::Tensor cos_sin, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, int64_t intermediate_size, double eps, double scale,
     std::vector<int64_t> capture) {
   TORCH_CHECK(weights.size() == caches.size() * 3, "6 weights and 2 caches per layer");
@@ -1264,18 +1272,18 @@ std::vector<torch::Tensor> llama_stack(
                              cos_sin, num_kv_heads, head_dim, block_size, tree_words);
   const Step s(x.size(0), num_heads, num_kv_heads, head_dim, x.size(1), intermediate_size, eps,
                scale, positions, slots, cos_sin, p, caches[0].numel() / (num_kv_heads * head_dim));
-  if (x.scalar_type() == torch::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16) {
     return run_stack<uint16_t>(x, s, weights, caches, final_norm, capture);
   }
   return run_stack<float>(x, s, weights, caches, final_norm, capture);
 }
 
 // One Eagle3 midlayer step (see run_eagle3); `pick` empty = every row.
-torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vector<int64_t> pick,
-                           torch::Tensor positions, torch::Tensor slots, torch::Tensor row_seq,
-                           torch::Tensor kv_len, torch::Tensor block_tables,
-                           torch::Tensor tree_words, std::vector<torch::Tensor> weights,
-                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_sin,
+at::Tensor eagle3_layer(at::Tensor embeds, at::Tensor hidden, std::vector<int64_t> pick,
+                           at::Tensor positions, at::Tensor slots, at::Tensor row_seq,
+                           at::Tensor kv_len, at::Tensor block_tables,
+                           at::Tensor tree_words, std::vector<at::Tensor> weights,
+                           at::Tensor k_cache, at::Tensor v_cache, at::Tensor cos_sin,
                            int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            int64_t intermediate_size, double eps, double scale) {
@@ -1283,7 +1291,7 @@ torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vect
   TORCH_CHECK(hidden.sizes() == embeds.sizes() && hidden.is_contiguous() &&
                   hidden.scalar_type() == embeds.scalar_type(),
               "hidden must match embeds");
-  const std::vector<torch::Tensor> caches{k_cache, v_cache};
+  const std::vector<at::Tensor> caches{k_cache, v_cache};
   const Paged p = check_step(embeds, positions, slots, row_seq, kv_len, block_tables, caches,
                              weights, cos_sin, num_kv_heads, head_dim, block_size, tree_words);
   const int64_t M = embeds.size(0);
@@ -1293,21 +1301,21 @@ torch::Tensor eagle3_layer(torch::Tensor embeds, torch::Tensor hidden, std::vect
   for (int64_t r : pick) TORCH_CHECK(r >= 0 && r < M, "picked row ", r, " is out of range");
   const Step s(M, num_heads, num_kv_heads, head_dim, embeds.size(1), intermediate_size, eps, scale,
                positions, slots, cos_sin, p, k_cache.numel() / (num_kv_heads * head_dim));
-  if (embeds.scalar_type() == torch::kBFloat16) {
+  if (embeds.scalar_type() == at::kBFloat16) {
     return run_eagle3<uint16_t>(embeds, hidden, pick, s, weights, k_cache, v_cache);
   }
   return run_eagle3<float>(embeds, hidden, pick, s, weights, k_cache, v_cache);
 }
 
 // w [O, K] (bfloat16 or float32) in the layout ``matvec`` reads (zero padding).
-torch::Tensor pack(torch::Tensor w) {
+at::Tensor pack(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack: w [O, K] expected");
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 || w.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
   const int64_t O = w.size(0), K = w.size(1), O16 = ceil_div(O, LANES) * LANES;
-  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
   const int64_t K2 = bf16 ? ceil_div(K, 2) * 2 : K;
-  torch::Tensor padded = torch::zeros({O16, K2}, w.options());
+  at::Tensor padded = at::zeros({O16, K2}, w.options());
   padded.narrow(0, 0, O).narrow(1, 0, K).copy_(w);
   if (bf16) {
     return padded.view({O16 / LANES, LANES, K2 / 2, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -1317,33 +1325,33 @@ torch::Tensor pack(torch::Tensor w) {
 
 // q int8 [O, K] with one fp32 scale per output (w ~ scale[o] * q[o, k]) in the layout
 // ``matvec_q8`` reads (see there).
-torch::Tensor pack_int8(torch::Tensor q, torch::Tensor scale) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar, "pack_int8: q int8 [O, K] expected");
+at::Tensor pack_int8(at::Tensor q, at::Tensor scale) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_int8: q int8 [O, K] expected");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == q.size(0) &&
-                  scale.scalar_type() == torch::kFloat32,
+                  scale.scalar_type() == at::kFloat,
               "pack_int8: scale float32 [O] expected");
   const int64_t O = q.size(0), K = q.size(1), nb = ceil_div(O, LANES);
-  torch::Tensor out = torch::zeros({nb, q8_block_bytes(K)}, q.options());
-  torch::Tensor padded = torch::zeros({nb * LANES, K}, q.options());
+  at::Tensor out = at::zeros({nb, q8_block_bytes(K)}, q.options());
+  at::Tensor padded = at::zeros({nb * LANES, K}, q.options());
   padded.narrow(0, 0, O).copy_(q);
   out.narrow(1, 0, K * LANES).copy_(padded.view({nb, LANES, K}).permute({0, 2, 1}).reshape({nb, K * LANES}));
-  torch::Tensor sc = torch::zeros({nb * LANES}, scale.options());
+  at::Tensor sc = at::zeros({nb * LANES}, scale.options());
   sc.narrow(0, 0, O).copy_(scale);
-  out.narrow(1, K * LANES, LANES * 4).copy_(sc.view({nb, LANES}).view(torch::kChar));
+  out.narrow(1, K * LANES, LANES * 4).copy_(sc.view({nb, LANES}).view(at::kChar));
   return out;
 }
 
 // x [M, K] @ w.T → [M, out_features] in x's dtype; w as ``pack`` (or ``pack_int8``) left it.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t out_features) {
+at::Tensor linear(at::Tensor x, at::Tensor w, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "linear: x [M, K] expected");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == torch::kChar,
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kChar,
               "linear: x and w dtypes differ");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
   x = x.contiguous();
   const Mat m = packed(w, out_features, x.size(1));
-  auto y = torch::empty({x.size(0), out_features}, x.options());
-  if (x.scalar_type() == torch::kBFloat16) {
+  auto y = at::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
     matvec(ptr<uint16_t>(x), m, ptr<uint16_t>(y), x.size(0));
   } else {
     matvec(ptr<float>(x), m, ptr<float>(y), x.size(0));
@@ -1394,18 +1402,18 @@ int64_t row_argmax(const T* x, int64_t n, std::vector<float>& block_max) {
 }
 
 // x [B, V] (bfloat16 or float32, rows contiguous) -> int64 [B]: x.argmax(-1).
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x [B, V > 0] expected");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
   if (x.stride(1) != 1) x = x.contiguous();
   const int64_t B = x.size(0), n = x.size(1), stride = x.stride(0);
-  auto out = torch::empty({B}, x.options().dtype(torch::kLong));
+  auto out = at::empty({B}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> block_max;
     for (int64_t b = b0; b < b1; ++b) {
-      o[b] = x.scalar_type() == torch::kBFloat16
+      o[b] = x.scalar_type() == at::kBFloat16
                  ? row_argmax(ptr<uint16_t>(x) + b * stride, n, block_max)
                  : row_argmax(ptr<float>(x) + b * stride, n, block_max);
     }
@@ -1421,21 +1429,21 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // argmax, and maps the draft id to a target id (id + d2t[id]). hidden [B, H]: step 0's picked
 // midlayer outputs; tokens [B]: step 0's drafts. Returns [B, steps] target ids.
 template <typename T, typename E>
-torch::Tensor run_eagle3_chain(torch::Tensor h, std::vector<int64_t> tok,
-                               const torch::Tensor& positions, const torch::Tensor& block_tables,
+at::Tensor run_eagle3_chain(at::Tensor h, std::vector<int64_t> tok,
+                               const at::Tensor& positions, const at::Tensor& block_tables,
                                const E* embedding, int64_t vocab,
-                               const std::vector<torch::Tensor>& weights,
-                               const std::vector<torch::Tensor>& caches,
-                               const torch::Tensor& cos_sin, const torch::Tensor& final_norm,
+                               const std::vector<at::Tensor>& weights,
+                               const std::vector<at::Tensor>& caches,
+                               const at::Tensor& cos_sin, const at::Tensor& final_norm,
                                const Mat& lm_head, const int64_t* d2t, int64_t steps,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, int64_t inter, double eps, double scale) {
   const int64_t B = h.size(0), H = h.size(1), V = lm_head.O;
-  const auto i64 = h.options().dtype(torch::kLong);
-  torch::Tensor drafts = torch::empty({B, steps}, i64);
-  torch::Tensor pos = torch::empty({B}, i64), slots = torch::empty({B}, i64);
-  torch::Tensor row_seq = torch::arange(B, i64), kv_len = torch::empty({B}, i64);
-  torch::Tensor embeds = torch::empty({B, H}, h.options());
+  const auto i64 = h.options().dtype(at::kLong);
+  at::Tensor drafts = at::empty({B, steps}, i64);
+  at::Tensor pos = at::empty({B}, i64), slots = at::empty({B}, i64);
+  at::Tensor row_seq = at::arange(B, i64), kv_len = at::empty({B}, i64);
+  at::Tensor embeds = at::empty({B, H}, h.options());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
   std::vector<T> normed(B * H), logits(B * V);
@@ -1468,11 +1476,11 @@ torch::Tensor run_eagle3_chain(torch::Tensor h, std::vector<int64_t> tok,
   return drafts;
 }
 
-torch::Tensor eagle3_chain(torch::Tensor hidden, torch::Tensor tokens, torch::Tensor positions,
-                           torch::Tensor block_tables, torch::Tensor embedding,
-                           std::vector<torch::Tensor> weights, torch::Tensor k_cache,
-                           torch::Tensor v_cache, torch::Tensor cos_sin, torch::Tensor final_norm,
-                           torch::Tensor lm_head, torch::Tensor d2t, int64_t steps,
+at::Tensor eagle3_chain(at::Tensor hidden, at::Tensor tokens, at::Tensor positions,
+                           at::Tensor block_tables, at::Tensor embedding,
+                           std::vector<at::Tensor> weights, at::Tensor k_cache,
+                           at::Tensor v_cache, at::Tensor cos_sin, at::Tensor final_norm,
+                           at::Tensor lm_head, at::Tensor d2t, int64_t steps,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, int64_t intermediate_size, double eps,
                            double scale) {
@@ -1480,21 +1488,21 @@ torch::Tensor eagle3_chain(torch::Tensor hidden, torch::Tensor tokens, torch::Te
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden [B, H] expected");
   const int64_t B = hidden.size(0), H = hidden.size(1), V = d2t.size(0);
   TORCH_CHECK(steps >= 1, "steps must be positive");
-  TORCH_CHECK(tokens.scalar_type() == torch::kLong && tokens.numel() == B, "tokens [B] int64");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == B &&
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.numel() == B, "tokens [B] int64");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B &&
                   positions.is_contiguous(),
               "positions [B] int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous(),
               "block_tables [B, blocks] expected");
   TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == H && embedding.is_contiguous() &&
-                  (embedding.scalar_type() == torch::kFloat32 ||
+                  (embedding.scalar_type() == at::kFloat ||
                    embedding.scalar_type() == hidden.scalar_type()),
               "embedding [vocab, H] in float32 or the head's dtype expected");
   TORCH_CHECK(final_norm.numel() == H && final_norm.scalar_type() == hidden.scalar_type(),
               "final_norm [H] in the head's dtype expected");
-  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == torch::kChar,
+  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == at::kChar,
               "lm_head in the head's dtype or int8");
-  TORCH_CHECK(d2t.scalar_type() == torch::kLong && d2t.is_contiguous(), "d2t [V] int64");
+  TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.is_contiguous(), "d2t [V] int64");
   const Mat head = packed(lm_head, V, H);
   const int64_t* map = d2t.data_ptr<int64_t>();
   for (int64_t i = 0; i < V; ++i) {
@@ -1502,28 +1510,28 @@ torch::Tensor eagle3_chain(torch::Tensor hidden, torch::Tensor tokens, torch::Te
   }
   auto t = tokens.contiguous();
   std::vector<int64_t> tok(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + B);
-  const std::vector<torch::Tensor> caches{k_cache, v_cache};
+  const std::vector<at::Tensor> caches{k_cache, v_cache};
   auto run = [&](auto tag, const auto* emb) {
     using T = decltype(tag);
     return run_eagle3_chain<T>(hidden, tok, positions, block_tables, emb, embedding.size(0),
                                weights, caches, cos_sin, final_norm, head, map, steps, num_heads,
                                num_kv_heads, head_dim, block_size, intermediate_size, eps, scale);
   };
-  const bool fp32_embedding = embedding.scalar_type() == torch::kFloat32;
-  if (hidden.scalar_type() == torch::kBFloat16) {
+  const bool fp32_embedding = embedding.scalar_type() == at::kFloat;
+  if (hidden.scalar_type() == at::kBFloat16) {
     if (fp32_embedding) return run(uint16_t{}, ptr<float>(embedding));
     return run(uint16_t{}, ptr<uint16_t>(embedding));
   }
-  TORCH_CHECK(hidden.scalar_type() == torch::kFloat32, "dtype must be bfloat16 or float32");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat, "dtype must be bfloat16 or float32");
   return run(float{}, ptr<float>(embedding));
 }
 
 // exp of each element of a float32 tensor through vexp (the softmax and SiLU exponential), for
 // its accuracy test.
-torch::Tensor exp_lanes(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "exp_lanes: float32 expected");
+at::Tensor exp_lanes(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "exp_lanes: float32 expected");
   x = x.contiguous();
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float* px = x.data_ptr<float>();
   float* py = y.data_ptr<float>();
   const int64_t n = x.numel();

@@ -3,7 +3,7 @@
 ``cpu_decode.cpp`` runs every layer (norms, fused QKV, rotary, paged KV write, attention over
 the paged cache, MLP) for at most ``MAX_ROWS`` rows without returning to Python; the eager
 modules of ``models/llama.py`` are its reference and serve every other step. It is built with
-the machine's C++ compiler at first use (about a minute) into PyTorch's extension folder
+the machine's C++ compiler at first use (some 15 s of one core) into PyTorch's extension folder
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards. It is built for AVX-512 (F, BW; with BF16's dot product where the CPU has it), else
 for AVX2 + FMA. ``TANDEM_CPU_FAST_DECODE=0`` turns it off; a CPU with none of these, or a failed
@@ -146,7 +146,7 @@ def load_extension() -> Any | None:
             from torch.utils.cpp_extension import load
 
             logger.info(
-                "loading the CPU decode fast path for %s (the first start builds it: ~1 min)",
+                "loading the CPU decode fast path for %s (the first start builds it: some 15 s)",
                 branch,
             )
             # TANDEM_EXPECT_ISA: the source's static_assert that the flags picked this branch.

@@ -556,7 +556,7 @@ BRANCH_CHECKS = (
 def test_every_branch_this_cpu_can_run_equals_eager(branch: str) -> None:
     """This process runs the best branch the CPU has; an AVX-512 machine can also run the AVX2
     build (and one with BF16's dot product the plain AVX-512 build): build each and run the
-    fast path's checks on it (about a minute to build each)."""
+    fast path's checks on it (some 15 s to build each)."""
     if os.environ.get(cpu_decode.ISA_ENV_VAR):
         pytest.skip(f"this process runs {cpu_decode.ISA_ENV_VAR}={cpu_decode.isa()}")
     if branch not in cpu_decode.runnable_isas():

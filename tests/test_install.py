@@ -387,7 +387,7 @@ def test_image_entrypoint_serves_and_healthcheck_waits_for_the_model(
         "TANDEM_PORT": str(port),
         "TANDEM_HOST": "127.0.0.1",  # the image's 0.0.0.0, kept to loopback here
         "VIRTUAL_ENV": str(root / "venv"),
-        # The C++ fast path's first build takes a minute here; the serving path is what is tested.
+        # The C++ fast path's first build takes 15 s here; the serving path is what is tested.
         "TANDEM_CPU_FAST_DECODE": "0",
     }
     env["PATH"] = image["path"]  # the Dockerfile's ENV PATH names /opt/venv
