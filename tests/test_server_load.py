@@ -127,7 +127,11 @@ def test_32_concurrent_streams_complete_with_usage(server):
 
 
 def test_disconnected_streams_are_aborted(server):
-    before = counters(server)
+    """Eight streams whose clients leave after three events are aborted, not run to the end.
+    How many tokens run before the disconnect reaches the engine depends on its speed against
+    the client's: the tiny model can make all 8 x 460 while a client on a loaded machine reads
+    its third event (seen in a clean-clone run under xdist). An attempt where a request ran to
+    its end says nothing and is made again; four such attempts fail."""
     max_tokens = 460  # the prompt (byte-level, ~25 tokens) and this fit 512 positions
 
     async def leave_early(client: httpx.AsyncClient, i: int) -> int:
@@ -149,13 +153,17 @@ def test_disconnected_streams_are_aborted(server):
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
             return await asyncio.gather(*[leave_early(client, i) for i in range(8)])
 
-    assert asyncio.run(run()) == [3] * 8
-    after = wait_until(lambda: idle(server), timeout_s=30)
-    # Aborted, not run to the end: none succeeded and not every token was generated. (How many
-    # tokens run before the disconnect reaches the engine depends on its speed: 862 of 1600 in
-    # one clean-clone run, all 1600 in another with max_tokens 200; hence 460.)
-    assert after["generation"] - before["generation"] < 8 * max_tokens
-    assert after["length"] == before["length"] and after["stop"] == before["stop"]
+    attempts = []
+    for _ in range(4):
+        before = counters(server)
+        assert asyncio.run(run()) == [3] * 8
+        after = wait_until(lambda: idle(server), timeout_s=30)
+        generated = after["generation"] - before["generation"]
+        ended = (after["length"] - before["length"], after["stop"] - before["stop"])
+        attempts.append((generated, ended))
+        if generated < 8 * max_tokens and ended == (0, 0):
+            return  # aborted: not every token was generated and no request ended on its own
+    pytest.fail(f"every attempt ran to the end (tokens, (length, stop) ends): {attempts}")
 
 
 def post_and_leave(server, body: bytes) -> tuple[dict[str, float], dict[str, float]]:
