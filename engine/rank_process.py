@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import signal
 import time
 import traceback
@@ -41,6 +40,7 @@ from tandem.engine.distributed import (
 from tandem.engine.multinode import agree_in_world, await_world
 from tandem.engine.step import DPStepInput
 from tandem.engine.worker import Worker
+from tandem.models.device import cpu_threads
 from tandem.models.parallel import ParallelMapping
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def join_launched_world(config: EngineConfig, launch: LaunchEnv) -> tuple[Proces
     timeout = collective_timeout()
     device = rank_device(config.device, launch.local_rank)
     if device.type == "cpu" and launch.local_world_size:  # ranks share the node's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+        torch.set_num_threads(cpu_threads(launch.local_world_size))
     idle = follower_idle_timeout(timeout)
     groups = init_distributed(launch.rank, launch.world_size, device, timeout, None, idle)
     agree_in_world(config, groups.control)
@@ -168,7 +168,7 @@ def _spawned_rank_main(
     code = 0
     try:
         if config.device.type == "cpu":  # ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.ranks_per_node))
+            torch.set_num_threads(cpu_threads(pc.ranks_per_node))
         timeout = collective_timeout(place.timeout_s)
         conn.send(("hello", None))
         wait_s = startup_timeout_s() if place.multinode else None

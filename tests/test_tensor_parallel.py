@@ -24,6 +24,7 @@ from tandem import LLM, EngineArgs, LLMEngine, SamplingParams
 from tandem.engine.distributed import LaunchEnv, collective_timeout
 from tandem.engine.executor import MultiProcExecutor, RankFailedError, make_executor
 from tandem.models.checkpoint import iterate_checkpoint, safetensors_files
+from tandem.models.device import cpu_threads
 from tandem.models.loader import check_complete, load_hf_config
 from tandem.models.parallel import ParallelMapping
 from tandem.models.registry import resolve_model_class
@@ -92,6 +93,19 @@ def _no_rank_children() -> bool:
 
 
 # ------------------------------------------------------------------ outputs equal TP=1
+
+
+def test_rank_threads_take_omp_num_threads_else_their_share_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CPU ranks set torch's threads from $OMP_NUM_THREADS where it is set (a rank took half
+    the cores whatever it said, and spun against the other processes of a shared host)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3
+    for unset in ("", "0", "many"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert (cpu_threads(2), cpu_threads(16), cpu_threads()) == (4, 1, 8)
 
 
 @pytest.mark.timeout(120)

@@ -330,6 +330,33 @@ def test_new_vocab_carries_the_shared_lm_head_rows(
     assert not torch.equal(chosen, old)
 
 
+def test_training_gives_the_callers_threads_back(
+    target: Path, trained: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train_draft runs on args.threads, else $OMP_NUM_THREADS, else every core, and leaves the
+    caller's torch threads as they were (it set them for the rest of the process, so a test
+    process sharing 2 cores with others spun twice the threads in every later test)."""
+    seen: list[int] = []
+    real = D.read_responses
+
+    def reading(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(D, "read_responses", reading)
+    responses = str(trained["eagle3"] / "responses.jsonl")
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    train_draft(_args("eagle3", tmp_path / "a", target, responses=responses, max_steps=1,
+                      threads=other))  # fmt: skip
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("OMP_NUM_THREADS", str(other))
+    train_draft(_args("eagle3", tmp_path / "b", target, responses=responses, max_steps=1,
+                      threads=None))  # fmt: skip
+    assert torch.get_num_threads() == before
+    assert seen and set(seen) == {other}, seen
+
+
 def test_resume_continues_the_same_run(target: Path, trained: dict[str, Path], tmp_path: Path):
     responses = trained["eagle3"] / "responses.jsonl"
     whole = train_draft(

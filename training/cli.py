@@ -96,7 +96,12 @@ def add_train_draft_parser(sub: Any) -> argparse.ArgumentParser:
         help="a new head's start: from the target's LM head (head) or random (scratch)",
     )
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    t.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: $OMP_NUM_THREADS, else all the cores)",
+    )
     t.add_argument("--device", default="cpu")
     r = p.add_argument_group("run")
     r.add_argument("--feature-cache", default=None, metavar="DIR", help="reuse target features")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tandem.models.device import cpu_threads
 from tandem.training import data as D
 from tandem.training.features import FeatureStore
 from tandem.training.ttt import dense_attention, unroll_draft
@@ -234,11 +235,21 @@ def _cpu_has_bf16() -> bool:
 
 
 def train_draft(args: TrainArgs) -> TrainResult:
-    """Train (or resume training) a draft head; the head is written to ``args.out``."""
+    """Train (or resume training) a draft head; the head is written to ``args.out``. Runs on
+    ``args.threads`` torch threads (default: ``cpu_threads()``, all the cores unless
+    ``$OMP_NUM_THREADS`` says otherwise) and gives the caller's setting back afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads or cpu_threads())
+    try:
+        return _train_draft(args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train_draft(args: TrainArgs) -> TrainResult:
     from transformers import AutoTokenizer
 
     start_wall = time.monotonic()
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
