@@ -112,13 +112,14 @@ def extension_name(branch: str) -> str:
     libraries by path, and torch rebuilt the one folder whenever they changed, so two installs
     sharing the cache rebuilt each other's build at every start."""
     torch_dir = Path(torch.__file__).resolve().parent
-    key = (
-        SOURCE.read_bytes()
-        + (
-            f"{torch.__version__} {torch_dir} {sys.version_info[:2]} {sysconfig.get_path('include')} "
-            f"{branch}"
-        ).encode()
-    )
+    build = [
+        torch.__version__,
+        torch_dir,
+        sys.version_info[:2],
+        sysconfig.get_path("include"),
+        branch,
+    ]
+    key = SOURCE.read_bytes() + " ".join(map(str, build)).encode()
     return f"tandem_cpu_decode_{hashlib.sha256(key).hexdigest()[:16]}"
 
 
@@ -160,9 +161,9 @@ def load_extension() -> Any | None:
                 fcntl.flock(held, fcntl.LOCK_EX)
                 (folder / "lock").unlink(missing_ok=True)
                 # Built from a copy inside the folder: torch rebuilds when the build file names
-                # another source path, so every install (venv, wheel, image) sharing the cache
-                # rebuilt the others' build at its start. The folder's name is the source's
-                # hash: the copy is the same file.
+                # another source path, so a second copy of the package on the same torch (a
+                # checkout, a reinstall elsewhere) rebuilt the first one's build. The folder's
+                # name covers the source's bytes: the copy is the same file.
                 source = folder / SOURCE.name
                 if not source.exists():
                     shutil.copyfile(SOURCE, source)

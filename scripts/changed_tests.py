@@ -34,7 +34,7 @@ DATA = {
     "training/data/": "tandem.training.data",
     "Dockerfile": "test_docker.py test_install.py",
     "docker/": "test_docker.py test_install.py",
-    "README.md": "test_install.py",
+    "README.md": "test_docker.py test_install.py",
 }
 # Helpers of tests/ that start the command in a subprocess: they depend on all of it.
 COMMAND_HELPERS = {"server_utils"}

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from tandem.models.device import cpu_threads
+
 # Measured on 2 cores from a clean clone under `make test` (whole-file wall times, each over
 # 15 s, slowest first); every other file follows in its usual order.
 SLOWEST_FIRST = (
@@ -53,6 +55,6 @@ def pytest_configure(config: pytest.Config) -> None:
     each other (the CPU-bound sampling tests ran six times slower)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        threads = cpu_threads(workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

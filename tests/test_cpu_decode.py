@@ -490,10 +490,10 @@ def test_a_build_killed_midway_does_not_stop_later_loads(tmp_path: Path) -> None
 
 
 def test_another_install_loads_the_cached_build(tmp_path: Path) -> None:
-    """A second install of the same source (another venv, the wheel, the image) finds the
-    build in the shared cache and loads it: the build names a copy of the source inside its
-    folder, not the first install's path (torch rebuilt whenever that path changed, so every
-    install sharing the cache rebuilt the others' extension at its start)."""
+    """A second copy of the same source on the same torch (another checkout, a reinstall at
+    another path) finds the build in the shared cache and loads it: the build names a copy of the
+    source inside its folder, not the first copy's path (torch rebuilt whenever that path
+    changed, so each copy rebuilt the other's extension at its start)."""
     if cpu_decode.load_extension() is None:
         pytest.skip(f"no fast path here: {cpu_decode.unavailable_reason()}")
     branch = cpu_decode.isa()
