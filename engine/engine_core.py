@@ -32,6 +32,7 @@ from tandem.engine.config import EngineArgs
 from tandem.engine.fault_injection import FaultPlan
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.outputs import EngineStats, OutputDelta, OutputEncoder, RequestOutput
+from tandem.engine.process_exit import exit_process
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
@@ -381,6 +382,9 @@ def run_engine_core(
             logger.exception("engine shutdown failed")
     if code == 0:
         # Told to stop: the API process no longer reads what is still buffered, so exit without
-        # waiting for the queue to flush it (an error report, code 1, is flushed).
+        # waiting for the queue to flush it.
         out_q.cancel_join_thread()
-    sys.exit(code)
+    else:  # an error report is flushed
+        out_q.close()
+        out_q.join_thread()
+    exit_process(code)

@@ -38,6 +38,7 @@ from tandem.engine.distributed import (
     startup_timeout_s,
 )
 from tandem.engine.multinode import agree_in_world, await_world
+from tandem.engine.process_exit import exit_process
 from tandem.engine.step import DPStepInput
 from tandem.engine.worker import Worker
 from tandem.models.device import cpu_threads
@@ -198,5 +199,4 @@ def _spawned_rank_main(
             conn.send(("error", message))
         except OSError:
             pass
-    if code:
-        raise SystemExit(code)
+    exit_process(code)

@@ -12,6 +12,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.process_exit import exit_process
+
 if TYPE_CHECKING:
     from tandem.engine.config import EngineArgs
     from tandem.engine.distributed import LaunchEnv
@@ -323,7 +325,7 @@ def serve(ns: argparse.Namespace) -> int:
         )
         serve_launched_rank(config, launch)
         logger.info("rank %d: rank 0 stopped the world; exiting", launch.rank)
-        return 0
+        exit_process(0)
     if engine_args.node_rank != 0:  # headless: only this node's ranks, no HTTP port
         from tandem.engine.headless import run_headless_node
         from tandem.engine.multinode import report_invalid_arguments
@@ -333,7 +335,7 @@ def serve(ns: argparse.Namespace) -> int:
         except ValueError as e:
             report_invalid_arguments(engine_args.dist_init_addr, engine_args.node_rank, str(e))
             raise
-        return run_headless_node(config)
+        exit_process(run_headless_node(config))
     holder: dict[str, Any] = {}
 
     def on_engine_dead(reason: str) -> None:
@@ -391,11 +393,11 @@ def serve(ns: argparse.Namespace) -> int:
     holder["server"] = server
     logger.info("serving on http://%s:%d (API key %s)", ns.host, sock.getsockname()[1],
                 "required" if settings.api_key else "not required")  # fmt: skip
-    server.run(sockets=[sock])
+    server.run(sockets=[sock])  # returns once the engine has stopped
     if "dead" in holder:
         logger.error("exiting non-zero: %s", holder["dead"])
-        return 1
-    return 0
+        exit_process(1)
+    exit_process(0)
 
 
 def _options_given(argv: list[str]) -> set[str]:
