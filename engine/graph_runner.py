@@ -488,8 +488,8 @@ class GraphReplay:
             spec.keep_shapes(request_ids, parents.clone(), depths.clone(), words.clone())
             return tree_tokens.clone()
         if advanced:
-            if not st.no_penalties:
-                raise RuntimeError("penalties are not supported under speculation")
+            if st.adjusts_logits:  # the model runner drafts these steps eagerly
+                raise RuntimeError("a captured draft loop has no logit bias or penalties")
             buf["temperature"][:b].copy_(st.temperature)
             buf["top_k"][:b].copy_(st.top_k)
             buf["top_p"][:b].copy_(st.top_p)

@@ -27,10 +27,8 @@ class InputProcessor:
         block_size: int,
         num_blocks: int,
         lookahead: int = 0,
-        speculative: bool = False,
     ) -> None:
         self.lookahead = lookahead
-        self.speculative = speculative
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -99,10 +97,11 @@ class InputProcessor:
                 f"max_tokens left out is {max_tokens} here (the maximum context length "
                 f"{self.max_model_len} less the prompt's {len(ids)} tokens)"
             )
-        if self.speculative and params.uses_penalties:
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad_bias:
             raise ValueError(
-                "presence_penalty, frequency_penalty and repetition_penalty are not supported "
-                "with speculative decoding on this server"
+                f"logit_bias={params.logit_bias!r} is invalid: token id {bad_bias[0]} is out of "
+                f"range [0, {self.vocab_size})"
             )
         self.check_structured(params)
         blocks = -(-(len(ids) + max_tokens + self.lookahead) // self.block_size)

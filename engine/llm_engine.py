@@ -74,7 +74,6 @@ class LLMEngine:
             cc.block_size,
             num_blocks,
             lookahead=lookahead,
-            speculative=sc is not None,
         )
         self.detok: dict[str, Detokenizer] = {}
         # The requests the current (or last) step scheduled; None until it has scheduled. The

@@ -174,6 +174,7 @@ class ModelRunner:
                     num_logprobs=0 if p.logprobs is None else max(1, p.logprobs),
                     min_tokens_left=r.min_tokens_left,
                     stop_token_ids=r.stop_token_ids,
+                    logit_bias=p.logit_bias,
                 )
             )
         return SamplingTensors.from_params(rows, self.vocab_size, self.device)
@@ -402,8 +403,9 @@ class ModelRunner:
             if self.grammars is not None:
                 masker = self.grammars.masker(inp.sampled, num_accepted, tokens)
             if masker is None:
-                # A min_tokens ban is eager work too (the captured draft loop has none).
-                eager = replay is None or st.stop_ban is not None
+                # A min_tokens ban, a bias or a penalty is eager work too (the captured draft
+                # loop has none).
+                eager = replay is None or st.stop_ban is not None or st.adjusts_logits
                 propose = spec.propose if eager else replay.propose
                 new_drafts = propose(*args)
             else:

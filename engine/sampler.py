@@ -7,11 +7,13 @@ single `.tolist()` on the result. Host-side decisions (which stages to skip) com
 computed by `SamplingTensors.from_params` out of the Python parameters.
 
 Semantics follow what users know from OpenAI / Hugging Face / vLLM:
+- ``logit_bias`` (OpenAI) adds its values to the raw logits, before the penalties;
 - presence / frequency penalties count OUTPUT tokens only (OpenAI);
 - repetition penalty covers prompt + output tokens: logit > 0 -> logit / p, else logit * p;
-- order for random rows: min_tokens' stop-token ban -> penalties -> temperature -> min_p ->
-  top-k -> top-p -> softmax (the speculative verifier bans per verified position first);
-- greedy rows (temperature 0) take the argmax of the penalised logits;
+- order for random rows: min_tokens' stop-token ban -> logit bias -> penalties -> temperature ->
+  min_p -> top-k -> top-p -> softmax (the speculative verifier bans per verified position first,
+  and counts the drafts before each verified position as output: ``with_path_counts``);
+- greedy rows (temperature 0) take the argmax of the biased, penalised logits;
 - reported logprobs are those of the RAW model logits;
 - structured output: the model runner masks a constrained row's logits with its grammar's bitmask
   (`apply_token_bitmask`) before `sample`, so every stage and the logprobs see the masked row.
@@ -49,6 +51,7 @@ class RowSamplingInfo:
     # the next ``min_tokens_left`` tokens (output indices n_out .. min_tokens - 1).
     min_tokens_left: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit
 
 
 @dataclass
@@ -76,6 +79,13 @@ class SamplingTensors:
     # many tokens from the step's first they are banned for; None when no row bans any.
     stop_ban: Tensor | None = None
     stop_ban_left: Tensor | None = None
+    logit_bias: Tensor | None = None  # [B, V] float32; None when no row has a bias
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a row's logits change with a bias or a penalty before sampling (eager work:
+        a captured draft loop has neither)."""
+        return not self.no_penalties or self.logit_bias is not None
 
     @property
     def greedy_mask(self) -> Tensor:
@@ -123,6 +133,9 @@ class SamplingTensors:
         if any(ids for _, ids in ban_rows):
             stop_ban = _scatter_ids(ban_rows, shape, torch.bool, device)
             stop_ban_left = vec([max(0, r.min_tokens_left) for r in rows], torch.int64)
+        bias = None
+        if any(r.logit_bias for r in rows):
+            bias = _scatter_bias(rows, shape, device)
 
         return cls(
             temperature=vec([0.0 if g else r.temperature for r, g in pairs], torch.float32),
@@ -145,6 +158,7 @@ class SamplingTensors:
             max_num_logprobs=max(r.num_logprobs for r in rows),
             stop_ban=stop_ban,
             stop_ban_left=stop_ban_left,
+            logit_bias=bias,
         )
 
 
@@ -194,6 +208,31 @@ def _scatter_ids(
     ones = torch.ones(len(rows), dtype=dtype, device=device)
     # accumulate=True counts duplicates; for bool it is a logical OR.
     return out.index_put_(index, ones, accumulate=dtype != torch.bool)
+
+
+def _scatter_bias(
+    rows: list[RowSamplingInfo], shape: tuple[int, int], device: torch.device
+) -> Tensor:
+    """[B, V] float32: each row's ``logit_bias`` values at their token ids, 0 elsewhere."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        for token, value in (r.logit_bias or {}).items():
+            if not 0 <= token < shape[1]:
+                raise ValueError(f"logit_bias token id {token} is out of range [0, {shape[1]})")
+            out[i, token] = value
+    return out.to(device, non_blocking=True)
+
+
+def apply_logit_bias(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """``logits`` [B, V] plus each row's ``logit_bias`` (a new tensor), or ``logits``."""
+    if st.logit_bias is None:
+        return logits
+    return logits + st.logit_bias.to(logits.dtype)
+
+
+def adjusted_logits(logits: Tensor, st: SamplingTensors) -> Tensor:
+    """The logits every sampling path starts from: biased, then penalised."""
+    return apply_penalties(apply_logit_bias(logits, st), st)
 
 
 def apply_penalties(logits: Tensor, st: SamplingTensors) -> Tensor:
@@ -357,10 +396,10 @@ def _processed_logits(penalised: Tensor, st: SamplingTensors) -> Tensor:
 def probs_for_rows(logits: Tensor, st: SamplingTensors) -> Tensor:
     """The processed target distribution [B, V] that `sample` draws from (float32).
 
-    Random rows: softmax after penalties / temperature / min_p / top-k / top-p. Greedy rows:
-    one-hot at the argmax of the penalised logits. The speculative verifier uses this for p.
+    Random rows: softmax after bias / penalties / temperature / min_p / top-k / top-p. Greedy
+    rows: one-hot at the argmax of the biased, penalised logits. The speculative verifier uses this for p.
     """
-    penalised = apply_penalties(logits.float(), st)
+    penalised = adjusted_logits(logits.float(), st)
     one_hot = None
     if not st.all_random:
         greedy_ids = penalised.argmax(dim=-1, keepdim=True)  # [B, 1]
@@ -375,10 +414,11 @@ def probs_for_rows(logits: Tensor, st: SamplingTensors) -> Tensor:
 
 def sample(logits: Tensor, st: SamplingTensors) -> SamplerOutput:
     """Sample one token per row from logits [B, V] (last position of each sequence)."""
-    if st.all_greedy and st.no_penalties and st.max_num_logprobs == 0 and st.stop_ban is None:
+    plain = not st.adjusts_logits and st.stop_ban is None
+    if st.all_greedy and plain and st.max_num_logprobs == 0:
         return SamplerOutput(cpu_decode.argmax(logits), None, None, None)  # no float copy
     raw = logits.float()
-    penalised = apply_penalties(ban_stop_tokens(raw[:, None], st)[:, 0], st)
+    penalised = adjusted_logits(ban_stop_tokens(raw[:, None], st)[:, 0], st)
     if st.all_greedy:
         token_ids = cpu_decode.argmax(penalised)
     else:

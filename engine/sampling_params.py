@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.structured_output import StructuredSpec
 
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -27,6 +31,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Token id -> value added to its logit before the penalties (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -60,6 +66,7 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 10:
             raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        self.logit_bias = _check_logit_bias(self.logit_bias, bad)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -95,3 +102,28 @@ class SamplingParams:
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         kw.update(n=1, seed=seed)
         return SamplingParams(**kw)
+
+
+def _check_logit_bias(bias: object, bad: Any) -> dict[int, float] | None:
+    """``logit_bias`` as {token id: value} (None when empty); ids are checked against the
+    vocabulary where it is known (the input processor)."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", bias, "must map token ids to numbers")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise bad("logit_bias", bias, f"key {token!r} is not a token id")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise bad("logit_bias", bias, f"the value of token {token} is not a number")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(
+                "logit_bias", bias, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            )
+        out[token] = float(value)
+    return out

@@ -112,15 +112,30 @@ class SamplingFields(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     metadata: dict[str, str] | None = None
-    # Declared by OpenAI, not implemented here: only neutral values pass check_supported.
+    # Token id (as a string, OpenAI's shape) -> value in [-100, 100] added to its logit.
     logit_bias: dict[str, Any] | None = None
+    # Declared by OpenAI, not implemented here: only neutral values pass check_supported.
     store: bool | None = None
     service_tier: str | None = None
 
+    def token_logit_bias(self) -> dict[int, Any] | None:
+        """``logit_bias`` keyed by token id (its values are checked by ``SamplingParams``)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > TOKEN_ID_MAX:
+                raise bad_request(
+                    f"logit_bias keys must be token ids (non-negative integers as strings), "
+                    f"got {key!r}",
+                    "logit_bias",
+                )
+            out[int(key)] = value
+        return out
+
     def check_supported(self) -> None:
         """Raise a 400 for values this server does not implement or combinations that clash."""
-        if self.logit_bias:
-            raise unsupported("logit_bias")
+        self.token_logit_bias()  # a 400 for keys that are not token ids
         if self.store:
             raise unsupported("store", "Completions are not stored; omit it or send false.")
         if self.service_tier not in (None, "auto", "default"):

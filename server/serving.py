@@ -140,6 +140,7 @@ def build_sampling_params(
             presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=req.token_logit_bias(),
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,

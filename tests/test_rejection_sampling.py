@@ -75,3 +75,21 @@ def test_speculated_positions_match_plain_sampling(models) -> None:
     for j in range(2):
         assert plain[j][ban].sum() == specd[j][ban].sum() == 0
         assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_penalised_positions_match_plain_sampling(models) -> None:
+    """Penalties and a logit bias under speculation: a verified position counts the drafts
+    before it as output, so positions 1 and 2 are distributed as without speculation."""
+    target, draft = models
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    params = SamplingParams(
+        temperature=0.8, max_tokens=3, ignore_eos=True, presence_penalty=1.5,
+        frequency_penalty=0.5, repetition_penalty=1.4, logit_bias={4: 1.0},
+    )  # fmt: skip
+    plain, _ = _histograms(target, None, params)
+    specd, rate = _histograms(target, spec, params)
+    assert rate > 0.2
+    for j in range(2):
+        assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])

@@ -216,7 +216,7 @@ def test_text_parts_are_accepted(http):
     [
         ("chat", "tool_choice", "required"),
         ("chat", "functions", [{"name": "f"}]),
-        ("chat", "logit_bias", {"5": 10}),
+        ("chat", "logit_bias", {"5": 101}),  # outside [-100, 100]
         ("chat", "audio", {"voice": "alloy", "format": "wav"}),
         ("chat", "modalities", ["text", "audio"]),
         ("chat", "reasoning_effort", "high"),
@@ -224,7 +224,8 @@ def test_text_parts_are_accepted(http):
         ("chat", "service_tier", "priority"),
         ("completion", "best_of", 3),
         ("completion", "suffix", "end"),
-        ("completion", "logit_bias", {"5": 10}),
+        ("completion", "logit_bias", {"5": 10, "-3": 1}),  # not a token id
+        ("completion", "logit_bias", {"5": 10, "100000000": 1}),  # past the vocabulary
         ("completion", "echo", True),  # with logprobs: prompt logprobs are not served
     ],
 )

@@ -82,12 +82,22 @@ def test_streaming_under_speculation(server, model_dir):
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_penalties_are_refused_under_speculation(server, model_dir):
+def test_penalties_and_logit_bias_are_served_under_speculation(server, model_dir):
+    """Greedy with penalties and a bias through the speculating server equals the offline
+    engine without speculation (the OpenAI field shapes: a string-keyed logit_bias)."""
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
-    with pytest.raises(openai.BadRequestError, match="not supported with speculative decoding"):
-        client.completions.create(
-            model=model_dir.name, prompt=PROMPT, max_tokens=4, presence_penalty=0.5
-        )
+    pen = {"presence_penalty": 1.0, "frequency_penalty": 0.5}
+    resp = client.completions.create(
+        model=model_dir.name, prompt=PROMPT, max_tokens=16, temperature=0, **pen,
+        logit_bias={"5": 4.0}, extra_body={"repetition_penalty": 1.2, "ignore_eos": True},
+    )  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2,
+        logit_bias={5: 4.0}, **pen,
+    )  # fmt: skip
+    with LLM(str(model_dir), max_model_len=256) as llm:
+        (ref,) = llm.generate(PROMPT, params)
+    assert resp.choices[0].text == ref.outputs[0].text
 
 
 def test_structured_output_is_served_under_speculation(server, model_dir):

@@ -133,7 +133,7 @@ def test_strict_types():
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "suffix": "s"}, "suffix"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "x", "logit_bias": {"1": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"one": 1}}, "logit_bias"),  # not a token id
     ],
 )
 def test_check_supported_completion(body, param):

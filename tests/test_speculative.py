@@ -280,9 +280,9 @@ def test_configuration_errors(models, tmp_path: Path) -> None:
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_size"):
         LLM(t, speculative_config={"method": "eagle3", "model": str(bad)})
-    with LLM(t, speculative_config={"method": "mtp"}) as llm:
-        with pytest.raises(ValueError, match="not supported with speculative decoding"):
-            llm.generate([[1, 2]], SamplingParams(presence_penalty=0.5))
+    with LLM(t, speculative_config={"method": "mtp"}) as llm:  # a bias past the vocabulary
+        with pytest.raises(ValueError, match="logit_bias=.* token id 1000000 is out of range"):
+            llm.generate([[1, 2]], SamplingParams(logit_bias={10**6: 1.0}))
 
 
 def test_eagle3_without_lm_head_borrows_the_targets(models, baseline, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Speculative decoding across tensor-parallel ranks equals a single rank, token for token."""
+"""Speculative decoding across tensor-parallel ranks equals a single rank, token for token (with
+penalties and a logit bias too)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_hea
 from tandem import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(40, 70)), [100, 101]]
-PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+# Greedy; the second and third requests with penalties and a logit bias (each verified position
+# counts the drafts before it: the same on every rank).
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=1.0),
+    SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=0.5,
+        repetition_penalty=1.3, logit_bias={102: 3.0},
+    ),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +63,7 @@ def test_tp_speculation_equals_single_rank(ckpts: tuple[Path, Path, Path]) -> No
 def _run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
     """(each prompt's tokens, the drafts each step left on each request) of PROMPTS."""
     engine = llm.engine
-    reqs = {f"r{i}": engine.add_request(f"r{i}", p, PARAMS) for i, p in enumerate(PROMPTS)}
+    reqs = {f"r{i}": engine.add_request(f"r{i}", p, PARAMS[i]) for i, p in enumerate(PROMPTS)}
     tokens: dict[str, list[int]] = {}
     drafts: list[list[int]] = []
     while engine.has_unfinished_requests():

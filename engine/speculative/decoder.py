@@ -7,6 +7,7 @@ runner's one host sync.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from tandem.engine.sampler import (
     SamplingTensors,
+    adjusted_logits,
     ban_stop_tokens,
     mask_banned,
     probs_for_rows,
@@ -30,11 +32,13 @@ from tandem.engine.speculative.interface import (
     VerifyLayout,
 )
 from tandem.engine.speculative.sampling import (
+    chain_ancestors,
+    count_tokens,
     exponential_noise,
-    repeat_rows,
     sample_rows,
     uniform_noise,
     widen_columns,
+    with_path_counts,
 )
 from tandem.kernels import cpu_decode
 from tandem.kernels.attention_torch import build_attention_plan
@@ -97,12 +101,18 @@ class SpecDecoder:
         [B, K + 1])."""
         b, k1 = layout.rows.shape
         logits = ban_stop_tokens(logits, st)  # column j: the token j after the step's first
-        if meta.all_greedy:
+        if meta.all_greedy and not st.adjusts_logits:
             ids = widen_columns(cpu_decode.argmax(logits), k1)
             return accept_matching(ids, layout.drafts, layout.num_drafts)
         logits = widen_columns(logits, k1)
         v = logits.shape[-1]
-        flat = repeat_rows(st, k1)
+        # Column j's penalties count the drafts before it as output.
+        valid, ancestors = chain_ancestors(layout.num_drafts, self.k)
+        drafts = torch.where(valid, layout.drafts, -1)
+        flat = with_path_counts(st, k1, drafts, ancestors)
+        if meta.all_greedy:
+            ids = cpu_decode.argmax(adjusted_logits(logits.reshape(b * k1, v), flat))
+            return accept_matching(ids.view(b, k1), layout.drafts, layout.num_drafts)
         p = probs_for_rows(logits.reshape(b * k1, v), flat).view(b, k1, v)
         if not meta.use_rejection_sampling:
             sampled = sample_rows(p.view(b * k1, v), flat.generators).view(b, k1)
@@ -271,8 +281,16 @@ class SpecDecoder:
         advanced = meta.wants_advanced_draft_sampling
         drafts: list[Tensor] = []
         qs: list[Tensor] = []
+        # Bias and penalties (eager steps only): draft j is drawn as the target would draw it
+        # after this step's emitted tokens and drafts 0 .. j - 1 (the output if they are
+        # accepted), and q is that distribution.
+        counts = None
+        if st is not None and not st.no_penalties and st.output_token_counts is not None:
+            emitted = torch.arange(tokens.shape[1], device=tokens.device) <= num_accepted[:, None]
+            counts = count_tokens(st.output_token_counts, tokens, emitted)
 
         def emit(layer: int, picked_hidden: Tensor) -> None:
+            nonlocal counts
             if self.lm_head_tp and not advanced:
                 counts = target_meta.all_rank_num_picked
                 if counts is None:
@@ -290,8 +308,11 @@ class SpecDecoder:
             ban = None
             if st is not None and st.stop_ban_left is not None:  # None: a captured greedy loop
                 ban = num_accepted + 1 + len(drafts) < st.stop_ban_left
-            token, q = self._draft_token(logits, st, advanced, noise, mask, ban)
+            row_st = st if counts is None else dataclasses.replace(st, output_token_counts=counts)
+            token, q = self._draft_token(logits, row_st, advanced, noise, mask, ban)
             drafts.append(token)
+            if counts is not None:
+                counts = count_tokens(counts, token[:, None])
             if q is not None:
                 qs.append(q)
 
@@ -318,7 +339,8 @@ class SpecDecoder:
             emit(0, hidden)
             pos = layout.positions + num_accepted  # position of the picked row
             chain = None
-            fast = self.fast_chain and draft_mask is None and (st is None or st.stop_ban is None)
+            plain = st is None or (st.stop_ban is None and not st.adjusts_logits)
+            fast = self.fast_chain and draft_mask is None and plain
             if fast and self.k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
@@ -393,6 +415,8 @@ class SpecDecoder:
                 logits = self.mask_draft_logits(logits, mask)
             if ban is not None:
                 logits = self.ban_draft_stops(logits, st.stop_ban, ban)
+            if st is not None and st.adjusts_logits:  # in the target vocabulary
+                return cpu_decode.argmax(adjusted_logits(self._to_target_vocab(logits), st)), None
             return self.draft.to_target_ids(cpu_decode.argmax(logits)), None
         full = self._to_target_vocab(logits)  # [B, V] target vocabulary
         if ban is not None:

@@ -39,10 +39,57 @@ def repeat_rows(st: SamplingTensors, n: int) -> SamplingTensors:
         repetition_penalty=rep(st.repetition_penalty),
         output_token_counts=rep(st.output_token_counts),
         prompt_token_mask=rep(st.prompt_token_mask),
+        logit_bias=rep(st.logit_bias),
         generators=[g for g in st.generators for _ in range(n)],
         # Verified positions differ in depth: the verifier bans them before (``ban_stop_tokens``).
         stop_ban=None,
         stop_ban_left=None,
+    )
+
+
+def with_path_counts(
+    st: SamplingTensors, k1: int, tokens: Tensor, ancestors: Tensor
+) -> SamplingTensors:
+    """``repeat_rows(st, k1)`` for verification with penalties: the output counts of column
+    j + 1 (the position after draft node j) also count the drafts on node j's path, as the
+    output would once they are accepted; column 0 keeps the step's counts. ``tokens`` [B, N]
+    the drafts (-1: none, counted nowhere), ``ancestors`` [B, N, N] bool (node j's path, itself
+    included: ``ancestors[b, j, m]``), N < k1. A chain is the tree whose node j's path is
+    nodes 0 .. j. Device work only (no host read)."""
+    flat = repeat_rows(st, k1)
+    counts = flat.output_token_counts
+    if st.no_penalties or counts is None:
+        return flat
+    b, n = tokens.shape
+    dev = tokens.device
+    row = torch.arange(b, device=dev)[:, None, None] * k1 + 1 + torch.arange(n, device=dev)
+    rows = row.transpose(1, 2).expand(b, n, n)  # [b, j, m]: column j + 1 of request b
+    cols = tokens[:, None, :].expand(b, n, n)
+    values = ancestors & (cols >= 0)
+    counts = counts.index_put(
+        (rows.reshape(-1), cols.clamp_min(0).reshape(-1)),
+        values.reshape(-1).to(counts.dtype),
+        accumulate=True,
+    )
+    return dataclasses.replace(flat, output_token_counts=counts)
+
+
+def chain_ancestors(num_drafts: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """A chain as a tree for ``with_path_counts``: (valid [B, K] bool, the drafts each request
+    carries; ancestors [B, K, K], node j's path being nodes 0 .. j)."""
+    j = torch.arange(k, device=num_drafts.device)
+    valid = j < num_drafts[:, None]
+    lower = (j[None, :] <= j[:, None]).expand(num_drafts.shape[0], k, k)
+    return valid, lower
+
+
+def count_tokens(counts: Tensor, tokens: Tensor, keep: Tensor | None = None) -> Tensor:
+    """``counts`` [B, V] plus one for each of ``tokens`` [B, C] (``keep`` [B, C] bool: only
+    those); a new tensor."""
+    values = torch.ones_like(tokens, dtype=counts.dtype) if keep is None else keep.to(counts.dtype)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(tokens)
+    return counts.index_put(
+        (rows.reshape(-1), tokens.clamp_min(0).reshape(-1)), values.reshape(-1), accumulate=True
     )
 
 

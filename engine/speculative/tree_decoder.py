@@ -36,7 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.engine.sampler import SamplingTensors, ban_stop_tokens, probs_for_rows
+from tandem.engine.sampler import (
+    SamplingTensors,
+    adjusted_logits,
+    ban_stop_tokens,
+    probs_for_rows,
+)
 from tandem.engine.speculative.decoder import SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftMasker
 from tandem.engine.speculative.interface import (
@@ -47,10 +52,10 @@ from tandem.engine.speculative.interface import (
 )
 from tandem.engine.speculative.sampling import (
     exponential_noise,
-    repeat_rows,
     sample_rows,
     uniform_noise,
     widen_columns,
+    with_path_counts,
 )
 from tandem.engine.speculative.tree import (
     DraftTree,
@@ -234,11 +239,16 @@ class TreeDecoder(SpecDecoder):
         n = tree.num_nodes
         depths = F.pad(tree.depths, (1, 0))[:, : logits.shape[1]]  # column 0: the root
         wide = widen_columns(ban_stop_tokens(logits, st, depths), k1)
-        if meta.all_greedy:
+        v = wide.shape[-1]
+        if meta.all_greedy and not st.adjusts_logits:
             acc = accept_tree_greedy(tree, cpu_decode.argmax(wide))
+        elif meta.all_greedy:
+            # Penalties: the position after a node counts the tokens on its path as output.
+            flat = with_path_counts(st, k1, tree.tokens, tree.ancestors)
+            ids = cpu_decode.argmax(adjusted_logits(wide.reshape(b * k1, v), flat))
+            acc = accept_tree_greedy(tree, ids.view(b, k1))
         else:
-            v = wide.shape[-1]
-            flat = repeat_rows(st, k1)
+            flat = with_path_counts(st, k1, tree.tokens, tree.ancestors)
             p = probs_for_rows(wide.reshape(b * k1, v), flat).view(b, k1, v)
             if not meta.use_rejection_sampling:
                 # Strict acceptance: a child is accepted iff it is the token the target drew.
