@@ -56,6 +56,8 @@ from tandem.bench.support import BenchError
 
 BUILTIN_EAGLE3 = SHIPPED_HEADS / "smollm2-135m-instruct-eagle3"
 BUILTIN_MTP = SHIPPED_HEADS / "smollm2-135m-instruct-mtp"
+# The penalised Eagle3 row's presence_penalty (Qwen's serving examples send up to 1.5).
+PENALTY = 0.5
 BATCH1_PROMPTS = 16  # default prompts timed one at a time for the batch-1 column
 
 
@@ -287,6 +289,14 @@ def _main(ns: argparse.Namespace) -> int:
                     name,
                     lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
                 )
+                if method == "eagle3" and topk == 1:  # what a penalty costs under speculation
+                    pen = f"{name[:-1]}, presence_penalty {PENALTY})"
+                    add(
+                        pen,
+                        lambda spec=spec, pen=pen: TandemSystem(
+                            model, cfg, spec, pen, prompts[0], {"presence_penalty": PENALTY}
+                        ),
+                    )
         print("running every system in turn ...", flush=True)
         # The roofline's bandwidth is probed between the batch-1 prompts: the same phase of a
         # machine whose speed drifts as the batch-1 figures it bounds.

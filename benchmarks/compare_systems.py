@@ -24,7 +24,9 @@ class TandemSystem:
         spec: dict[str, Any] | None,
         name: str,
         warm_up: list[int],
+        sampling: dict[str, Any] | None = None,
     ) -> None:
+        """``sampling``: more greedy sampling parameters for every request (penalties)."""
         from tandem.engine.config import EngineArgs
         from tandem.engine.llm_engine import LLMEngine
         from tandem.engine.sampling_params import SamplingParams
@@ -49,6 +51,7 @@ class TandemSystem:
             max_tokens=cfg.max_tokens,
             ignore_eos=not cfg.stop_at_eos,
             structured=structured,
+            **(sampling or {}),
         )
         self.counter = iter(range(1 << 30))
         self.engine.add_request("warm-up", warm_up, SamplingParams(temperature=0.0, max_tokens=4))

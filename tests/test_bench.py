@@ -200,6 +200,7 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         "transformers generate + assistant",
         "tandem",
         f"tandem + eagle3 (K={K})",
+        f"tandem + eagle3 (K={K}, presence_penalty 0.5)",  # what a penalty costs
         f"tandem + mtp (K={K})",
     )
     header = next(line for line in out.splitlines() if line.startswith("tokens/s"))
@@ -219,18 +220,18 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
     assistant = by_name["transformers generate + assistant"]
     assert assistant["batch1"] > 0 and assistant["concurrency"]["2"] is None
     assert "one request at a time" in assistant["note"]
-    for name in (f"tandem + eagle3 (K={K})", f"tandem + mtp (K={K})"):
+    for name in rows[3:]:
         assert 1.0 <= by_name[name]["tokens_per_step"] <= K + 1
         assert 1.0 <= by_name[name]["batch1_tokens_per_step"] <= K + 1
     assert by_name["tandem"]["batch1_tokens_per_step"] == 1.0  # one token per plain step
     assert by_name["transformers generate"]["batch1_ms_per_step"] is None  # steps not counted
-    # The per-step table: the three Tandem rows, and what 1.6x would need of each speculative one.
+    # The per-step table: the four Tandem rows, and what 1.6x would need of each speculative one.
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("batch 1, per decode step"))
     assert lines[at].split()[-4:] == ["ms/step", "tok/step", "cost", "speedup"]
-    assert [line.split()[0] for line in lines[at + 1 : at + 4]] == ["tandem"] * 3
+    assert [line.split()[0] for line in lines[at + 1 : at + 5]] == ["tandem"] * 4
     assert lines[at + 1].split()[-2:] == ["1.00x", "1.00x"]  # plain: its own cost and speedup
-    assert sum("tokens/step at this step cost" in line for line in lines) == 2
+    assert sum("tokens/step at this step cost" in line for line in lines) == 3
     assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
     # The roofline's bandwidth: probed before and after the one batch-1 prompt (quick).
     probes = data["memory_bandwidth_batch1_probes"]
