@@ -56,11 +56,18 @@ class StructuredOutputError(ValueError):
 class StructuredSpec:
     """What a constrained request must match. ``text`` is the JSON schema (``json_schema``), the
     regex, the Lark grammar, or a JSON list of strings (``choice``); empty for ``json_object``.
-    ``param`` is the request field it came from (for error messages)."""
+    ``param`` is the request field it came from (for error messages).
+
+    ``after`` (reasoning models): the constraint starts after this marker (``</think>``); the
+    text up to and including its first occurrence is free, then up to four whitespace
+    characters, then what ``kind`` and ``text`` say. ``after_special``: the marker is a special
+    token of the tokenizer (matched as that token, not as text)."""
 
     kind: Kind
     text: str = ""
     param: str = "structured_outputs"
+    after: str = ""
+    after_special: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -78,8 +85,8 @@ class StructuredSpec:
             )
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.kind, self.text)
+    def key(self) -> tuple[str, str, str, bool]:
+        return (self.kind, self.text, self.after, self.after_special)
 
     @classmethod
     def choice(cls, options: list[str], param: str = "structured_outputs.choice") -> StructuredSpec:
@@ -92,9 +99,9 @@ class StructuredSpec:
         return cls("choice", json.dumps(options), param)
 
 
-def to_grammar(spec: StructuredSpec) -> str:
-    """The llguidance grammar for ``spec`` (raises ``StructuredOutputError`` on unreadable
-    input; unsupported features are reported when the grammar is built)."""
+def _own_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar of ``spec``'s kind and text (raises ``StructuredOutputError`` on
+    unreadable input; unsupported features are reported when the grammar is built)."""
     import llguidance
 
     m = llguidance.LLMatcher
@@ -115,6 +122,25 @@ def to_grammar(spec: StructuredSpec) -> str:
         return m.grammar_from_lark(spec.text)
     except (ValueError, TypeError, RecursionError) as e:
         raise StructuredOutputError(f"invalid: {e}", spec.param) from None
+
+
+def to_grammar(spec: StructuredSpec) -> str:
+    """The llguidance grammar for ``spec``: its own (``_own_grammar``), after free text up to
+    ``spec.after`` when that is set (the inner grammar becomes a named sub-grammar)."""
+    inner = _own_grammar(spec)
+    if not spec.after:
+        return inner
+    top = json.loads(inner) if inner.lstrip().startswith("{") else None
+    if top is None:
+        top = {"grammars": [{"lark_grammar": inner}]}
+    answer = {**top["grammars"][0], "name": "answer"}
+    if spec.after_special:  # a special token: only that token ends the free text
+        head = f"start: FREE {spec.after} WS @answer\nFREE: /(?s:.*)/"
+    else:  # the first occurrence of the text ends it (a lazy lexeme)
+        marker = "".join(f"\\x{{{ord(c):x}}}" for c in spec.after)  # each character escaped
+        head = f"start: free WS @answer\nfree[lazy]: /(?s:.*){marker}/"
+    lark = head + "\nWS: /[ \\t\\r\\n]{0,4}/"
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, answer]})
 
 
 def build_ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:

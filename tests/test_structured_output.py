@@ -478,3 +478,57 @@ def test_apply_token_bitmask_matches_a_boolean_mask():
     # A bitmask narrower than the logits allows nothing past its width.
     narrow = apply_token_bitmask(logits, bitmask[:, :1])
     assert torch.isinf(narrow[:, 32:]).all() and torch.equal(narrow[:, :32], expect[:, :32])
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizers(tmp_path_factory):
+    """llguidance's view of the tiny tokenizer as it is, and with ``</think>`` added as a
+    special token (as some reasoning models ship it)."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.structured_output import build_ll_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model(tmp_path_factory))
+    special = AutoTokenizer.from_pretrained(tiny_model(tmp_path_factory))
+    special.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    return {
+        False: (tok, build_ll_tokenizer(tok, len(tok), frozenset([tok.eos_token_id]))),
+        True: (special, build_ll_tokenizer(special, len(special), frozenset([tok.eos_token_id]))),
+    }
+
+
+AFTER_SCHEMA = json.dumps(obj({"a": {"type": "integer"}}, ["a"]))
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-marker", "special-token-marker"])
+@pytest.mark.parametrize(
+    "kind,text,answer",
+    [
+        ("json_schema", AFTER_SCHEMA, '{"a":12}'),
+        ("regex", "[0-9]+/x", "12/x"),
+        ("choice", json.dumps(["yes", "no"]), "no"),
+        ("grammar", 'start: "A" NUM\nNUM: /[0-9]+/', "A42"),
+    ],
+)
+def test_a_constraint_after_the_thinking_starts_at_its_end(
+    ll_tokenizers, special, kind, text, answer
+):
+    """``after``: free text up to the first ``</think>`` (a thinking section, itself opened or
+    not), up to 4 whitespace characters, then the constraint, for every kind of spec."""
+    from tandem.engine.structured_output import compile_matcher
+
+    tok, llt = ll_tokenizers[special]
+    spec = StructuredSpec(kind, text, after="</think>", after_special=special)
+
+    def verdict(output: str) -> tuple[bool, bool]:
+        matcher = compile_matcher(llt, spec)
+        ok = matcher.consume_tokens(tok.encode(output, add_special_tokens=False))
+        return ok and not matcher.is_error(), matcher.is_accepting()
+
+    for thinking in ["I think {not json} </think>\n\n", "<think>\nx < y\n</think>", "</think>"]:
+        assert verdict(thinking + answer) == (True, True), thinking
+    assert verdict("still thinking " + answer) == (True, False)  # free until the marker
+    assert verdict("a</think>b</think>" + answer)[0] is False  # the first marker ends it
+    assert verdict("</think>" + " " * 5 + answer)[0] is False  # at most 4 whitespace chars
+    assert verdict("</think>" + answer + "!")[0] is False  # then the constraint, to its end
+    assert StructuredSpec(kind, text).key != spec.key  # cached apart from the plain spec
