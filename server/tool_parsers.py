@@ -1,108 +1,132 @@
-"""Tool calls in generated text, in the formats chat templates teach models to write them.
-
-- ``hermes`` (Hermes, Qwen 2.5/3, and what our tools system message teaches): each call is
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text outside the tags is content.
-- ``llama3_json`` (Llama 3.1-3.3): the whole message is ``{"name": ..., "parameters": {...}}``
-  (or ``"arguments"``), optionally after ``<|python_tag|>``, several joined by ``;``.
+"""Tool calls in generated text, in the formats chat templates teach models to write them
+(server/tool_formats.py lists them).
 
 A parser turns a finished text into content plus calls (``parse``), or follows a stream
-(``stream()``: feed text deltas, get content deltas as soon as they cannot start a call and each
-call once it is complete). A call that does not parse, or names a function the request did not
-offer, stays content: the client sees what the model wrote.
+(``stream()``: feed text deltas, get content deltas as soon as they cannot start a call and the
+calls of each block once it is complete; server/tool_stream.py). A call that does not parse, or
+names a function the request did not offer, stays content: the client sees what the model
+wrote. A block of several calls (DeepSeek's) is taken whole or stays content whole.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
+from tandem.server.tool_formats import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    GLM_KEY,
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    PYTHON_TAG,
+    QWEN_FUNCTION,
+    QWEN_PARAM,
+    Parsed,
+    ToolCall,
+    typed_value,
+)
+from tandem.server.tool_stream import ToolStream
+
+__all__ = [
+    "HERMES_CLOSE",
+    "HERMES_OPEN",
+    "PARSERS",
+    "Parsed",
+    "ToolCall",
+    "ToolParser",
+    "ToolStream",
+    "make_parser",
+    "parser_name_for_template",
+]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        if index is not None:
-            out["index"] = index
-        return out
+def _arguments(text: str) -> dict[str, Any] | None:
+    """A call's arguments from JSON text: an object, or a string holding one (some models write
+    the arguments as a JSON string); None otherwise."""
+    try:
+        args = json.loads(text)
+        if isinstance(args, str):
+            args = json.loads(args)
+    except json.JSONDecodeError:
+        return None
+    return args if isinstance(args, dict) else None
 
 
-@dataclass
-class Parsed:
-    content: str
-    tool_calls: list[ToolCall]
+def _skip_space(text: str, pos: int) -> int:
+    return len(text) - len(text[pos:].lstrip()) if text[pos:].strip() else len(text)
 
 
-def _call_from_json(text: str, names: set[str], args_keys: tuple[str, ...]) -> ToolCall | None:
-    """A call from one JSON object's text, or None when it is not a call to one of ``names``."""
+def _call(name: str, args: dict[str, Any] | None, names: set[str]) -> list[ToolCall] | None:
+    if name not in names or args is None:
+        return None
+    return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
+
+
+def _call_from_json(text: str, names: set[str], keys: tuple[str, ...]) -> list[ToolCall] | None:
+    """The call in one JSON object's text (``{"name": ..., keys[0] or keys[1]: {...}}``)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    if obj["name"] not in names:
-        return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
-    if isinstance(args, str):  # some models write the arguments as a JSON string already
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    args = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(args, str):
+        args = _arguments(args)
+    return _call(obj["name"], args if isinstance(args, dict) else None, names)
 
 
 class ToolParser:
-    """Base: ``names`` are the functions the request offers."""
+    """Base. ``names`` are the functions the request offers, ``schemas`` their parameters (by
+    name; the per-argument formats type values with them). Block formats set the markers and
+    ``block_calls``; ``parse`` is the stream fed the whole text, so both always agree."""
 
     name = ""
-    whole_message = False  # a call is the whole message (decided by its first characters)
+    whole_message = False
+    open_tag = ""
+    close_tag = ""
+    close_at_end = False
 
-    def __init__(self, names: set[str]) -> None:
+    def __init__(self, names: set[str], schemas: dict[str, Any] | None = None) -> None:
         self.names = names
+        self.schemas = schemas or {}
 
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        stream = self.stream()
+        content, calls = stream.feed(text)
+        rest, more = stream.finish()
+        return Parsed(content + rest, calls + more)
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
 
+    def block_calls(self, body: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        props = (self.schemas.get(name) or {}).get("properties")
+        return props if isinstance(props, dict) else {}
+
 
 class HermesParser(ToolParser):
-    name = "hermes"
-    _CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
-    def parse(self, text: str) -> Parsed:
-        calls: list[ToolCall] = []
-        content: list[str] = []
-        last = 0
-        for m in self._CALL.finditer(text):
-            call = _call_from_json(m.group(1).strip(), self.names, ("arguments", "parameters"))
-            if call is None:
-                continue  # stays in the content
-            content.append(text[last : m.start()])
-            calls.append(call)
-            last = m.end()
-        content.append(text[last:])
-        return Parsed("".join(content).strip() if calls else text, calls)
+    name = "hermes"
+    open_tag, close_tag = HERMES_OPEN, HERMES_CLOSE
+
+    def block_calls(self, body: str) -> list[ToolCall] | None:
+        return _call_from_json(body, self.names, ("arguments", "parameters"))
 
 
 class Llama3JsonParser(ToolParser):
+    """The whole message is ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``),
+    optionally after ``<|python_tag|>``, several joined by ``;``; all or nothing."""
+
     name = "llama3_json"
     whole_message = True
 
@@ -110,12 +134,12 @@ class Llama3JsonParser(ToolParser):
         body = text.strip().removeprefix(PYTHON_TAG).strip()
         if not body.startswith("{"):
             return Parsed(text, [])
-        calls = []
+        calls: list[ToolCall] = []
         for part in _split_top_level(body, ";"):
             call = _call_from_json(part, self.names, ("parameters", "arguments"))
             if call is None:
-                return Parsed(text, [])  # all or nothing: a half-parsed message is content
-            calls.append(call)
+                return Parsed(text, [])  # a half-parsed message is content
+            calls += call
         return Parsed("", calls)
 
 
@@ -143,91 +167,147 @@ def _split_top_level(text: str, sep: str) -> list[str]:
     return [p for p in parts if p]
 
 
-class ToolStream:
-    """Follows one choice's text deltas. ``feed`` returns ``(content_delta, calls)`` for what
-    became certain; ``finish`` returns the rest. Content that may still be the start of a call
-    (a prefix of ``<tool_call>``, or a Llama message that starts with ``{``) is held back."""
+class _DeepSeekParser(ToolParser):
+    """One ``<｜tool▁calls▁begin｜>`` block of ``<｜tool▁call▁begin｜>…<｜tool▁call▁end｜>``
+    calls (whitespace between them); a block the text ends in without its closing marker
+    counts when it holds only complete calls."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.buffer = ""  # text not yet given out
-        self.whole_message = parser.whole_message
-        self.passthrough = False  # a Llama message that is not a call: all of it is content
-        self.calls = 0
+    open_tag, close_tag = DS_CALLS_BEGIN, DS_CALLS_END
+    close_at_end = True
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        self.buffer += delta
-        if self.whole_message and not self.passthrough:
-            head = self.buffer.lstrip()
-            if not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]):
-                return "", []  # maybe a call: wait for the end
-            self.passthrough = True
-        if self.passthrough:
-            out, self.buffer = self.buffer, ""
-            return out, []
-        return self._feed_tags()
-
-    def _feed_tags(self) -> tuple[str, list[ToolCall]]:
-        out: list[str] = []
+    def block_calls(self, body: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []
-        while True:
-            start = self.buffer.find(HERMES_OPEN)
-            if start < 0:
-                keep = _partial_suffix(self.buffer, HERMES_OPEN)
-                out.append(self.buffer[: len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep :]
-                break
-            end = self.buffer.find(HERMES_CLOSE, start)
-            if end < 0:
-                out.append(self.buffer[:start])
-                self.buffer = self.buffer[start:]
-                break
-            block = self.buffer[start : end + len(HERMES_CLOSE)]
-            parsed = self.parser.parse(block)
-            out.append(self.buffer[:start])
-            if parsed.tool_calls:
-                calls += parsed.tool_calls
-            else:
-                out.append(block)
-            self.buffer = self.buffer[end + len(HERMES_CLOSE) :]
-        self.calls += len(calls)
-        text = "".join(out)
-        if self.calls and not text.strip():
-            text = ""  # whitespace between calls is not content
-        return text, calls
+        pos = 0
+        while (start := _skip_space(body, pos)) < len(body):
+            end = body.find(DS_CALL_END, start)
+            if not body.startswith(DS_CALL_BEGIN, start) or end < 0:
+                return None
+            call = self._call(body[start + len(DS_CALL_BEGIN) : end])
+            if call is None:
+                return None
+            calls += call
+            pos = end + len(DS_CALL_END)
+        return calls or None
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest, self.buffer = self.buffer, ""
-        if self.whole_message and not self.passthrough:
-            parsed = self.parser.parse(rest)
-            self.calls += len(parsed.tool_calls)
-            return parsed.content, parsed.tool_calls
-        return rest, []  # an unclosed <tool_call> or a partial tag: what the model wrote
+    def _call(self, inner: str) -> list[ToolCall] | None:
+        raise NotImplementedError
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+class DeepSeekV3Parser(_DeepSeekParser):
+    """``function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```"`` (the fence may be missing)."""
+
+    name = "deepseek_v3"
+
+    def _call(self, inner: str) -> list[ToolCall] | None:
+        _, sep, rest = inner.partition(DS_SEP)
+        name, _, args = rest.partition("\n")
+        args = args.strip()
+        if args.startswith("```"):
+            args = args.removeprefix("```json").removeprefix("```").removesuffix("```")
+        return _call(name.strip(), _arguments(args), self.names) if sep else None
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+class DeepSeekV31Parser(_DeepSeekParser):
+    """``NAME<｜tool▁sep｜>{...}``."""
+
+    name = "deepseek_v31"
+
+    def _call(self, inner: str) -> list[ToolCall] | None:
+        name, sep, args = inner.partition(DS_SEP)
+        return _call(name.strip(), _arguments(args), self.names) if sep else None
 
 
-def parser_name_for_template(template: str | None) -> str:
-    """The format a chat template teaches: Llama 3's when it mentions ``<|python_tag|>`` or
-    ``"parameters"`` with ``ipython``, else Hermes."""
+_GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
+_QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+class _PerArgumentParser(ToolParser):
+    open_tag, close_tag = HERMES_OPEN, HERMES_CLOSE
+
+    def _typed(self, name: str, pairs: re.Pattern[str], text: str) -> list[ToolCall] | None:
+        """The call of ``name`` whose arguments are ``pairs`` matches covering ``text`` (up to
+        whitespace); each value typed with its parameter's schema. A repeated key is a
+        malformed call."""
+        if name not in self.names:
+            return None
+        props = self._properties(name)
+        args: dict[str, Any] = {}
+        pos = 0
+        while m := pairs.match(text, pos):
+            key = m.group(1).strip()
+            if not key or key in args:
+                return None
+            args[key] = typed_value(self._value(m.group(2)), props.get(key))
+            pos = m.end()
+        if text[pos:].strip():
+            return None
+        return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
+
+    def _value(self, text: str) -> str:
+        return text
+
+
+class Glm45Parser(_PerArgumentParser):
+    """``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n…</tool_call>``;
+    a value is exactly the text between its tags."""
+
+    name = "glm45"
+
+    def block_calls(self, body: str) -> list[ToolCall] | None:
+        head = body.split(GLM_KEY, 1)[0]
+        return self._typed(head.strip(), _GLM_ARG, body[len(head) :])
+
+
+class Qwen3CoderParser(_PerArgumentParser):
+    """``<tool_call>\\n<function=NAME>\\n<parameter=k>\\nv\\n</parameter>\\n…</function>\\n
+    </tool_call>``; a value is the text between its tags less one newline at each end."""
+
+    name = "qwen3_coder"
+
+    def block_calls(self, body: str) -> list[ToolCall] | None:
+        m = _QWEN_FUNCTION.fullmatch(body)
+        return self._typed(m.group(1).strip(), _QWEN_PARAM, m.group(2)) if m else None
+
+    def _value(self, text: str) -> str:
+        return text.removeprefix("\n").removesuffix("\n")
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p
+    for p in (
+        HermesParser,
+        Llama3JsonParser,
+        DeepSeekV3Parser,
+        DeepSeekV31Parser,
+        Glm45Parser,
+        Qwen3CoderParser,
+    )
+}
+
+
+def parser_name_for_template(template: str | None) -> str | None:
+    """The format a chat template writes calls in, told by its markers; None when it shows none
+    of the known formats. DeepSeek's ``<｜tool▁sep｜>`` comes before the name in V3 (with a
+    fenced JSON block) and after it in V3.1; GLM-4.5's ``<arg_key>`` and Qwen3-Coder's
+    ``<function=`` sit inside ``<tool_call>``, so they are looked for before Hermes'."""
     t = template or ""
+    if DS_SEP in t:
+        return "deepseek_v3" if "```json" in t else "deepseek_v31"
+    if GLM_KEY in t:
+        return "glm45"
+    if QWEN_FUNCTION in t and QWEN_PARAM in t:
+        return "qwen3_coder"
     if PYTHON_TAG in t or ("ipython" in t and "parameters" in t):
         return "llama3_json"
-    return "hermes"
+    if HERMES_OPEN in t:
+        return "hermes"
+    return None
 
 
-def make_parser(name: str, names: set[str]) -> ToolParser:
+def make_parser(name: str, names: set[str], schemas: dict[str, Any] | None = None) -> ToolParser:
     try:
-        return PARSERS[name](names)
+        return PARSERS[name](names, schemas)
     except KeyError:
         raise ValueError(
             f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}"

@@ -3,14 +3,14 @@ how its text becomes ``tool_calls``.
 
 - ``tool_choice`` ``"auto"`` (the default with tools): the tools reach the chat template (as
   ``tools``, Hugging Face's convention); a template that does not use them gets them in a system
-  message that teaches the format the output is parsed in (Hermes, or ``--tool-call-parser``'s),
-  and earlier calls written in that format. The output is parsed with the template's format
-  (``server/tool_parsers.py``; ``--tool-call-parser`` overrides).
-- ``"required"`` or a named function: generation is constrained by a grammar (llguidance Lark
-  with each function's parameters as a JSON schema) to calls in the format the output is parsed
-  with (Hermes tags, or Llama 3's bare JSON), so the calls always parse and their arguments are
-  valid against the parameters. ``parallel_tool_calls`` false:
-  exactly one call (``"auto"``: only the first call the model wrote is returned).
+  message that teaches the format the output is parsed in (Hermes, or ``--tool-call-parser``'s
+  when that is Llama 3's), and earlier calls written in that format. The output is parsed in
+  the format the template writes calls in (``server/tool_parsers.py``; ``--tool-call-parser``
+  overrides); tools with a template that renders them in a format we cannot tell are a 400.
+- ``"required"`` or a named function: generation is constrained by a grammar
+  (``server/tool_grammar.py``) to calls in the format the output is parsed with, so the calls
+  always parse and their arguments are valid against the parameters. ``parallel_tool_calls``
+  false: exactly one call (``"auto"``: only the first call the model wrote is returned).
 - ``"none"``: the template still sees the tools, nothing is parsed.
 """
 
@@ -21,16 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.structured_output import StructuredSpec
-from tandem.server.tool_parsers import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
-    ToolParser,
-    make_parser,
-    parser_name_for_template,
-)
-
-# JSON as a forced call writes it: no free whitespace (a sampled model cannot pad forever).
-_COMPACT = {"whitespace_flexible": False}
+from tandem.server.errors import bad_request
+from tandem.server.tool_formats import FORMATS, write_calls
+from tandem.server.tool_grammar import forced_calls_grammar
+from tandem.server.tool_parsers import ToolParser, make_parser, parser_name_for_template
 
 _TOOLS = """# Tools
 
@@ -73,47 +67,42 @@ class ToolPlan:
     def forced(self) -> bool:
         return self.choice in ("required", "function")
 
+    @property
+    def schemas(self) -> dict[str, Any]:
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+
     def call_format(self, template: str | None, override: str | None) -> str:
-        return call_format(template, override)
+        return call_format(template, override, tools=self.parses)
 
     def parser(self, template: str | None, override: str | None) -> ToolParser:
-        return make_parser(self.call_format(template, override), self.names)
+        return make_parser(self.call_format(template, override), self.names, self.schemas)
 
     def grammar(self, call_format: str = "hermes") -> StructuredSpec | None:
         """The Lark grammar of forced calls written in ``call_format`` (None unless
-        ``required`` / a named function): Hermes ``<tool_call>`` blocks on their own lines, or
-        Llama 3's bare ``{"name": ..., "parameters": ...}`` objects joined by ``"; "``."""
+        ``required`` / a named function); server/tool_grammar.py."""
         if not self.forced:
             return None
-        funcs = [t["function"] for t in self.tools]
-        if self.forced_name is not None:
-            funcs = [f for f in funcs if f["name"] == self.forced_name]
-        args_key = "parameters" if call_format == "llama3_json" else "arguments"
-        bodies = []
-        for i, f in enumerate(funcs):
-            schema = {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    args_key: f.get("parameters") or {"type": "object"},
-                },
-                "required": ["name", args_key],
-                "additionalProperties": False,
-                "x-guidance": _COMPACT,
-            }
-            bodies.append(f"body{i}: %json {json.dumps(schema)}")
-        body = f"({' | '.join(f'body{i}' for i in range(len(funcs)))})"
-        if call_format == "llama3_json":
-            call, sep = body, '"; "'
-        else:
-            call, sep = f'"{HERMES_OPEN}\\n" {body} "\\n{HERMES_CLOSE}"', '"\\n"'
-        calls = "call" if not self.parallel else f"call ({sep} call)*"
-        lines = [f"start: {calls}", f"call: {call}", *bodies]
-        return StructuredSpec("grammar", "\n".join(lines), "tools")
+        funcs = [
+            (i, t["function"])
+            for i, t in enumerate(self.tools)
+            if self.forced_name in (None, t["function"]["name"])
+        ]
+        text = forced_calls_grammar(call_format, funcs, self.parallel)
+        return StructuredSpec("grammar", text, "tools")
 
     def system_prompt(self, call_format: str = "hermes") -> str:
         """The tools for a template that does not render them itself, and how to call them in
-        ``call_format`` (the format the output is parsed in)."""
+        ``call_format`` (the format the output is parsed in): Hermes or Llama 3, the formats
+        this message can teach; another one is a 400 (a model that writes it needs a template
+        that renders the tools)."""
+        if call_format not in _HOW_TO_CALL:
+            raise bad_request(
+                f"the chat template does not render tools, so the server describes them in a "
+                f"system message, which teaches only the {' or '.join(_HOW_TO_CALL)} format; "
+                f"--tool-call-parser {call_format} needs a chat template that renders tools "
+                "(--chat-template FILE)",
+                "tools",
+            )
         tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
         return _TOOLS.format(tools=tools) + _HOW_TO_CALL[call_format]
 
@@ -130,15 +119,27 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None)
     return ToolPlan(dumped, choice, name, parallel is not False)
 
 
-def call_format(template: str | None, override: str | None) -> str:
+def call_format(template: str | None, override: str | None, tools: bool = True) -> str:
     """The parser name calls are written and read in: ``--tool-call-parser``, else the
-    template's; Hermes when the tools reach the model through our system message (which then
-    teaches that format)."""
+    format the template writes calls in; Hermes when the tools reach the model through our
+    system message (which then teaches that format). A template that renders tools in no
+    format we know is a 400 for a request whose calls are read (``tools``), Hermes otherwise
+    (only earlier calls are written then)."""
     if override:
         return override
     if not template_uses(template, "tools"):
         return "hermes"
-    return parser_name_for_template(template)
+    found = parser_name_for_template(template)
+    if found is not None:
+        return found
+    if not tools:
+        return "hermes"
+    raise bad_request(
+        "the chat template renders tools, but not in a tool-call format this server can tell, "
+        "so the model's calls could not be read; start the server with --tool-call-parser NAME "
+        f"(one of: {', '.join(FORMATS)})",
+        "tools",
+    )
 
 
 def template_uses(template: str | None, word: str) -> bool:
@@ -146,18 +147,14 @@ def template_uses(template: str | None, word: str) -> bool:
 
 
 def calls_text(calls: list[dict[str, Any]], call_format: str = "hermes") -> str:
-    """An assistant message's ``tool_calls`` as text in ``call_format`` (Hermes blocks, or Llama
-    3's objects joined by "; "), for templates that ignore them."""
-    out = []
-    args_key = "parameters" if call_format == "llama3_json" else "arguments"
+    """An assistant message's ``tool_calls`` as text in ``call_format``, for templates that
+    ignore them."""
+    pairs = []
     for c in calls:
         fn = c["function"]
         try:
             args = json.loads(fn["arguments"])
         except (json.JSONDecodeError, TypeError):
             args = fn["arguments"]
-        body = json.dumps({"name": fn["name"], args_key: args}, ensure_ascii=False)
-        out.append(
-            body if call_format == "llama3_json" else f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
-        )
-    return ("; " if call_format == "llama3_json" else "\n").join(out)
+        pairs.append((fn["name"], args))
+    return write_calls(pairs, call_format)

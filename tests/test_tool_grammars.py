@@ -1,0 +1,324 @@
+"""Forced tool calls (``tool_choice`` "required" or a named function) are written in the format
+the output is parsed in, for every parser: the Lark grammar accepts the format's calls (checked
+byte by byte with llguidance), which parse back to the same calls with arguments valid against
+the parameters; it rejects other formats, values outside the schema, a missing required
+argument and a raw value holding its closing tag; a tiny random model sampling under each
+grammar writes calls that always parse and validate."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import llguidance
+import pytest
+
+from tandem.engine.structured_output import to_grammar
+from tandem.server.errors import APIError
+from tandem.server.tool_formats import FORMATS, is_string_schema
+from tandem.server.tool_parsers import make_parser
+from tandem.server.tools import ToolPlan
+
+CITIES = ["Paris", "Zürich", "東京", "New York"]
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": CITIES},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "note": {"type": "string", "maxLength": 12},
+            "units": {"type": "object", "properties": {"metric": {"type": "boolean"}}},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+QUERY = {
+    "name": "run_query",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"},
+            "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+            "dry_run": {"type": "boolean"},
+            "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "unit": {"$ref": "#/$defs/unit"},
+        },
+        "required": ["code"],
+        "$defs": {"unit": {"enum": ["ms", "s"]}},
+    },
+}
+FUNCS = [WEATHER, QUERY]
+PARAMS = {f["name"]: f["parameters"] for f in FUNCS}
+GOOD = [
+    ("get_weather", {"city": "Zürich", "days": 3}),
+    (
+        "get_weather",
+        {"city": "東京", "days": 14, "note": 'a <b> "c"\nd', "units": {"metric": True}},
+    ),
+    ("run_query", {"code": "ABC-42", "ids": [1, 2], "dry_run": False, "limit": None, "unit": "ms"}),
+    ("run_query", {"code": "XYZ-0"}),
+]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # as forced JSON is
+
+
+def _value(value: Any, schema: dict) -> str:
+    """A per-argument value: a string parameter's raw text, else JSON (as the grammar has it)."""
+    return value if is_string_schema(schema) else _json(value)
+
+
+def write(fmt: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as a model writes them in ``fmt`` under the forced grammar."""
+    b, e, cb, ce, sep = (
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    )
+    if fmt == "hermes":
+        return "\n".join(
+            f"<tool_call>\n{_json({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+        )
+    if fmt == "llama3_json":
+        return "; ".join(_json({"name": n, "parameters": a}) for n, a in calls)
+    if fmt == "deepseek_v3":
+        body = "\n".join(f"{cb}function{sep}{n}\n```json\n{_json(a)}\n```{ce}" for n, a in calls)
+        return f"{b}{body}{e}"
+    if fmt == "deepseek_v31":
+        return b + "".join(f"{cb}{n}{sep}{_json(a)}{ce}" for n, a in calls) + e
+    props = {f["name"]: f["parameters"]["properties"] for f in FUNCS}
+    if fmt == "glm45":
+        return "\n".join(
+            f"<tool_call>{n}\n"
+            + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{_value(a[k], s)}</arg_value>\n"
+                for k, s in props.get(n, {}).items()
+                if k in a
+            )
+            + "</tool_call>"
+            for n, a in calls
+        )
+    return "\n".join(
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(
+            f"<parameter={k}>\n{_value(a[k], s)}\n</parameter>\n"
+            for k, s in props.get(n, {}).items()
+            if k in a
+        )
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    )
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes (and an end token): a grammar checked with
+    it accepts exactly the texts it accepts."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+@pytest.fixture(scope="module")
+def bytes_tokenizer() -> Any:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+def plan(parallel: bool = True, name: str | None = None, funcs: list | None = None) -> ToolPlan:
+    tools = [{"type": "function", "function": f} for f in funcs or FUNCS]
+    return ToolPlan(tools, "function" if name else "required", name, parallel)
+
+
+def accepts(ll: Any, grammar_plan: ToolPlan, fmt: str, text: str) -> bool:
+    spec = grammar_plan.grammar(fmt)
+    assert spec is not None
+    matcher = llguidance.LLMatcher(ll, to_grammar(spec), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = list(text.encode())
+    return (
+        matcher.validate_tokens(ids) == len(ids)
+        and matcher.consume_tokens(ids)
+        and matcher.is_accepting()
+    )
+
+
+def parsed(fmt: str, text: str) -> list[tuple[str, dict]]:
+    result = make_parser(fmt, set(PARAMS), PARAMS).parse(text)
+    assert result.content == ""
+    return [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_grammar_writes_the_formats_calls_and_they_parse_back(bytes_tokenizer, fmt) -> None:
+    for name, args in GOOD:
+        jsonschema.validate(args, PARAMS[name])
+        text = write(fmt, [(name, args)])
+        assert accepts(bytes_tokenizer, plan(False), fmt, text), text
+        assert accepts(bytes_tokenizer, plan(False, name), fmt, text), text
+        assert parsed(fmt, text) == [(name, args)]
+    two = write(fmt, GOOD[:2])
+    assert accepts(bytes_tokenizer, plan(True), fmt, two)
+    assert not accepts(bytes_tokenizer, plan(False), fmt, two)  # one call only
+    assert not accepts(bytes_tokenizer, plan(True, "run_query"), fmt, write(fmt, GOOD[:1]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_grammar_rejects_what_is_not_a_valid_call(bytes_tokenizer, fmt) -> None:
+    good = GOOD[1]
+    for other in FORMATS:
+        if other != fmt:
+            assert not accepts(bytes_tokenizer, plan(), fmt, write(other, [good])), other
+    bad_args = [
+        {**good[1], "city": "Rome"},  # not in the enum
+        {k: v for k, v in good[1].items() if k != "days"},  # a required argument left out
+        {**good[1], "days": 15},  # above the maximum
+        {**good[1], "note": "far too long a note"},  # longer than maxLength
+    ]
+    for args in bad_args:
+        assert not accepts(bytes_tokenizer, plan(), fmt, write(fmt, [("get_weather", args)]))
+    for code in ("ab-1", "xABC-1", "ABC-1x"):  # the pattern, anchored at both ends
+        assert not accepts(
+            bytes_tokenizer, plan(), fmt, write(fmt, [("run_query", {"code": code})])
+        )
+    assert not accepts(bytes_tokenizer, plan(), fmt, write(fmt, [("nope", {})]))  # not offered
+
+
+@pytest.mark.parametrize(
+    ("fmt", "close"), [("glm45", "</arg_value>"), ("qwen3_coder", "</parameter>")]
+)
+def test_a_raw_value_cannot_hold_its_closing_tag(bytes_tokenizer, fmt, close) -> None:
+    """The parser reads a value up to the first closing tag, so the grammar allows none inside
+    it (while a string parameter's text is otherwise free: markup, quotes, newlines)."""
+    free = {
+        "name": "say",
+        "parameters": {"type": "object", "properties": {"t": {"type": "string"}}},
+    }
+    say = plan(funcs=[free])
+    for text in ('<b>"x"</b>\n{', "", "a\n\nb", "ü\\n"):
+        assert accepts(bytes_tokenizer, say, fmt, _say(fmt, text)), text
+        result = make_parser(fmt, {"say"}, {"say": free["parameters"]}).parse(_say(fmt, text))
+        assert [json.loads(c.arguments) for c in result.tool_calls] == [{"t": text}]
+    assert not accepts(bytes_tokenizer, say, fmt, _say(fmt, f"a{close}b"))
+
+
+def _say(fmt: str, text: str) -> str:
+    if fmt == "glm45":
+        return f"<tool_call>say\n<arg_key>t</arg_key>\n<arg_value>{text}</arg_value>\n</tool_call>"
+    return f"<tool_call>\n<function=say>\n<parameter=t>\n{text}\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_valid_calls_are_accepted_and_read_back(bytes_tokenizer, fmt) -> None:
+    rng = random.Random(7)
+    alphabet = "aZ9 <>/\"'\\{}[]:,\n\tü東€"
+    grammar_plan = plan(True)
+    for _ in range(8):
+        calls = []
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.5:
+                args: dict[str, Any] = {"city": rng.choice(CITIES), "days": rng.randint(1, 14)}
+                if rng.random() < 0.7:
+                    args["note"] = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+                if rng.random() < 0.5:
+                    args["units"] = {"metric": rng.random() < 0.5}
+                calls.append(("get_weather", args))
+            else:
+                args = {"code": f"QRS-{rng.randint(0, 10**6)}"}
+                if rng.random() < 0.5:
+                    args["ids"] = [rng.randint(-5, 5) for _ in range(rng.randint(0, 3))]
+                if rng.random() < 0.5:
+                    args["limit"] = rng.choice([None, rng.randint(0, 99)])
+                calls.append(("run_query", args))
+        text = write(fmt, calls)
+        assert accepts(bytes_tokenizer, grammar_plan, fmt, text), text
+        assert parsed(fmt, text) == calls
+        for name, args in calls:
+            jsonschema.validate(args, PARAMS[name])
+
+
+def test_a_schema_a_per_argument_format_cannot_write_is_a_400() -> None:
+    either = {"name": "pick", "parameters": {"type": "object", "anyOf": [{"required": ["a"]}]}}
+    odd_name = {
+        "name": "odd",
+        "parameters": {"type": "object", "properties": {"a>b": {"type": "string"}}},
+    }
+    for fmt in ("glm45", "qwen3_coder"):
+        with pytest.raises(APIError, match="can use only") as e:
+            plan(funcs=[WEATHER, either]).grammar(fmt)
+        assert (e.value.status, e.value.param) == (400, "tools[1].function.parameters")
+    with pytest.raises(APIError, match="'a>b' cannot be written in the qwen3_coder format"):
+        plan(funcs=[odd_name]).grammar("qwen3_coder")
+    # The JSON formats take any parameters schema; a named function's grammar ignores others.
+    assert plan(funcs=[either]).grammar("deepseek_v31") is not None
+    assert plan(name="get_weather", funcs=[WEATHER, either]).grammar("glm45") is not None
+
+
+def test_the_server_flag_offers_every_format() -> None:
+    import argparse
+
+    from tandem.server.cli import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    (action,) = [a for a in parser._actions if "--tool-call-parser" in a.option_strings]
+    assert tuple(action.choices) == FORMATS
+
+
+# ----------------------------------------------------------------- sampled under the grammar
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory):
+    from server_utils import tiny_model
+    from tandem import LLM
+
+    with LLM(str(tiny_model(tmp_path_factory)), max_model_len=512) as llm:
+        yield llm
+
+
+def test_a_random_model_forced_to_call_always_writes_calls_that_parse(llm, tmp_path: Path) -> None:
+    """A tiny random model at temperature 1 is a random walk through each grammar: every
+    sample ends, parses with the format's parser, and its arguments validate."""
+    from tandem import SamplingParams
+
+    bounded = {  # values a random walk finishes: every string and number is bounded
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "label": {"type": "string", "maxLength": 6},
+                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                "days": {"type": "array", "items": {"enum": ["mo", "tu"]}, "maxItems": 2},
+                "loud": {"type": "boolean"},
+                "tone": {"type": "string", "enum": ["bell", "beep"]},
+            },
+            "required": ["label", "hour", "tone"],
+            "additionalProperties": False,
+        },
+    }
+    forced = plan(False, funcs=[bounded])
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured=forced.grammar(fmt))
+        for fmt in FORMATS
+        for s in range(3)
+    ]
+    outs = llm.generate(["Set an alarm."] * len(params), params)
+    for i, out in enumerate(outs):
+        fmt = FORMATS[i // 3]
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", (fmt, text)
+        result = make_parser(fmt, {"set_alarm"}, {"set_alarm": bounded["parameters"]}).parse(text)
+        assert len(result.tool_calls) == 1 and result.content == "", (fmt, text)
+        jsonschema.validate(json.loads(result.tool_calls[0].arguments), bounded["parameters"])
