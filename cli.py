@@ -9,13 +9,15 @@ import sys
 from typing import Any
 
 from tandem.server.cli import add_serve_arguments, run_serve
+from tandem.server.launch_flags import LaunchArgumentParser
 from tandem.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference server")
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Subcommands read vLLM's spellings too (``--max_model_len``, ``--speculative-config.k v``).
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LaunchArgumentParser)
     add_serve_arguments(
         sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     )

@@ -115,6 +115,9 @@ class AsyncLLM:
 
     @property
     def max_model_len(self) -> int:
+        # The engine's once ready: --max-model-len auto is resolved when the KV cache is sized.
+        if self.info is not None:
+            return self.info.max_model_len
         return self.config.model_config.max_model_len
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,43 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid: {allowed}")
 
 
+# ``max_model_len`` -1 (``--max-model-len auto``): the longest request the KV cache holds, up
+# to the model's own context length; known once the KV cache is sized (engine/worker.py).
+MAX_MODEL_LEN_AUTO = -1
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_max_model_len(value: int | str | None) -> int | None:
+    """An int, None (the model's own length), -1 or "auto" (``MAX_MODEL_LEN_AUTO``), or a
+    length with a unit: "32k" is 32,000, "32K" 32,768, "1.5m" 1,500,000."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"max_model_len={value!r} is invalid: an integer, 'auto' or e.g. '32k'")
+    text = value.strip()
+    if text.lower() in ("auto", "-1"):
+        return MAX_MODEL_LEN_AUTO
+    scale = _DECIMAL.get(text[-1:]) or _BINARY.get(text[-1:]) or 1
+    number = text[:-1] if scale != 1 else text
+    try:
+        length = float(number) * scale
+    except ValueError:
+        length = float("nan")
+    if not (math.isfinite(length) and length >= 1 and length == int(length)):
+        raise ValueError(
+            f"max_model_len={value!r} is invalid: a positive number of tokens (e.g. 8192, 32k = "
+            "32,000, 32K = 32,768) or 'auto' (the longest that the KV cache holds)"
+        )
+    return int(length)
+
+
+def model_context_length(hf_config: Any) -> int | None:
+    """The context length the checkpoint states (``max_position_embeddings``), None if none."""
+    value = getattr(hf_config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -26,6 +64,12 @@ class ModelConfig:
     tokenizer: str
     seed: int = 0
     served_model_name: str = ""
+    # --max-model-len auto: ``max_model_len`` is the model's own length, an upper bound that the
+    # ranks lower to the longest request their KV cache holds (``fitted_max_model_len``).
+    fit_max_model_len: bool = False
+    # The folder whose generation_config.json gives the server's sampling defaults; None: none
+    # (OpenAI's defaults). End-of-sequence ids always come from the model folder.
+    generation_config: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -401,10 +445,32 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     graph_config: CUDAGraphConfig = CUDAGraphConfig()
 
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """This config serving ``max_model_len`` (what ``--max-model-len auto`` resolved to)."""
+        if max_model_len == self.model_config.max_model_len:
+            return self
+        return dataclasses.replace(
+            self,
+            model_config=dataclasses.replace(self.model_config, max_model_len=max_model_len),
+            scheduler_config=dataclasses.replace(
+                self.scheduler_config, max_model_len=max_model_len
+            ),
+        )
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
 
 @dataclass
 class EngineArgs:
-    """Everything a user can set, flat (the CLI and ``LLM(**kwargs)`` map onto it)."""
+    """Everything a user can set, flat (the CLI and ``LLM(**kwargs)`` map onto it).
+
+    ``model``, ``tokenizer`` and the draft head's ``speculative_config["model"]``: local folders,
+    or Hugging Face ids that ``with_local_folders`` fetches (``revision`` for the model,
+    ``download_dir`` as the hub cache). ``max_model_len``: None is the model's own context
+    length; -1 (``MAX_MODEL_LEN_AUTO``, or "auto") the longest request the KV cache holds.
+    ``generation_config``: "auto" (the model folder's generation_config.json gives the server's
+    sampling defaults), "vllm" (none: OpenAI's defaults) or a folder to read it from."""
 
     model: str
     tokenizer: str | None = None
@@ -431,17 +497,88 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    generation_config: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)} - {"extra"}
 
+    def with_local_folders(self) -> EngineArgs:
+        """These arguments with each Hugging Face id (the model, the tokenizer, the draft head's
+        ``model``) replaced by its local snapshot (``models/hub.py``; a local folder of that name
+        wins), fetched once here so every process after reads the same folders. A model named by
+        id is served under that id unless ``served_model_name`` says otherwise."""
+        from tandem.models.hub import resolve_folder
+
+        cache = self.download_dir
+        model = resolve_folder(self.model, revision=self.revision, cache_dir=cache)
+        served = self.served_model_name
+        if served is None and model != self.model:
+            served = self.model
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            tokenizer = resolve_folder(tokenizer, cache_dir=cache, what="tokenizer", weights=False)
+        spec = self.speculative_config
+        if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+            draft = resolve_folder(spec["model"], cache_dir=cache, what="speculative_config.model")
+            spec = {**spec, "model": draft}
+        return dataclasses.replace(
+            self,
+            model=model,
+            tokenizer=tokenizer,
+            served_model_name=served,
+            speculative_config=spec,
+        )
+
+    def _max_model_len(self, hf_config: Any) -> tuple[int, bool]:
+        """(the length the config holds, whether ``auto`` may lower it to what the KV cache
+        holds)."""
+        want = parse_max_model_len(self.max_model_len)
+        own = model_context_length(hf_config)
+        if want is None or want == MAX_MODEL_LEN_AUTO:
+            if own is None:
+                raise ValueError(
+                    "max_model_len: the model's config.json states no context length "
+                    "(max_position_embeddings); pass --max-model-len N"
+                )
+            return own, want == MAX_MODEL_LEN_AUTO
+        limit = own or 1 << 20
+        _require(
+            0 < want <= limit,
+            "max_model_len",
+            want,
+            f"between 1 and the model's max_position_embeddings ({limit}), or 'auto'",
+        )
+        return want, False
+
+    def _generation_config_folder(self) -> str | None:
+        mode = self.generation_config
+        if mode == "auto":
+            return self.model
+        if mode == "vllm":
+            return None
+        if not isinstance(mode, str) or not os.path.isdir(mode):
+            raise ValueError(
+                f"generation_config={mode!r} is invalid: 'auto' (the model folder's "
+                "generation_config.json), 'vllm' (none: OpenAI's defaults) or a folder"
+            )
+        if not os.path.isfile(os.path.join(mode, "generation_config.json")):
+            raise ValueError(
+                f"generation_config={mode!r}: the folder has no generation_config.json"
+            )
+        return mode
+
     def create_engine_config(self) -> EngineConfig:
         from tandem.models.loader import load_hf_config, resolve_dtype
 
         if not os.path.isdir(self.model):
-            raise ValueError(f"model={self.model!r} is not a local model folder")
+            raise ValueError(
+                f"model={self.model!r} is not a local model folder (a Hugging Face id is fetched "
+                "by EngineArgs.with_local_folders(), as `tandem serve` and LLM do)"
+            )
         above = [b for b in self.cuda_graph_batch_sizes or () if b > self.max_num_seqs]
         if above:
             raise ValueError(
@@ -450,14 +587,7 @@ class EngineArgs:
                 "max_num_seqs"
             )
         hf_config = load_hf_config(self.model)
-        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 1 << 20)
-        max_model_len = self.max_model_len or min(limit, 4096)
-        _require(
-            0 < max_model_len <= limit,
-            "max_model_len",
-            max_model_len,
-            f"between 1 and the model's max_position_embeddings ({limit})",
-        )
+        max_model_len, fit = self._max_model_len(hf_config)
         device = resolve_device(self.device)
         model_config = ModelConfig(
             model=self.model,
@@ -468,6 +598,8 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name
             or os.path.basename(os.path.normpath(self.model)),
+            fit_max_model_len=fit,
+            generation_config=self._generation_config_folder(),
         )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         spec = SpeculativeConfig.from_dict(self.speculative_config)

@@ -149,7 +149,8 @@ class ReplicatedLLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.config.model_config.max_model_len
+        # What every replica serves (under --max-model-len auto each fits its own KV cache).
+        return min(r.max_model_len for r in self.replicas)
 
     @property
     def is_ready(self) -> bool:

@@ -14,8 +14,9 @@ from tandem.engine.sampling_params import SamplingParams
 class LLM:
     """Runs the engine in this process until every prompt is done.
 
-    ``kwargs`` are ``EngineArgs`` fields (``dtype``, ``device``, ``max_num_seqs``,
-    ``max_model_len``, ``seed``, ...)."""
+    ``model`` is a local folder or a Hugging Face id (fetched into the hub cache, see
+    ``models/hub.py``); ``kwargs`` are ``EngineArgs`` fields (``dtype``, ``device``,
+    ``max_num_seqs``, ``max_model_len``, ``seed``, ``revision``, ``download_dir``, ...)."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         unknown = set(kwargs) - EngineArgs.field_names()
@@ -24,7 +25,7 @@ class LLM:
                 f"unknown LLM arguments: {sorted(unknown)}; "
                 f"known: {sorted(EngineArgs.field_names() - {'model'})}"
             )
-        args = EngineArgs(model=model, **kwargs)
+        args = EngineArgs(model=model, **kwargs).with_local_folders()
         if args.data_parallel_size > 1 and not args.enable_attention_dp:
             raise ValueError(
                 f"data_parallel_size={args.data_parallel_size}: replicas run behind the server "

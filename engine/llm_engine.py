@@ -31,9 +31,16 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.tokenizer = load_tokenizer(mc.tokenizer)
-        self.generation_config = load_generation_config(mc.model)
+        # Sampling defaults (--generation-config): the model folder's file, another folder's, or
+        # none; end-of-sequence ids always come from the model folder.
+        folder = mc.generation_config
+        self.generation_config = load_generation_config(folder) if folder is not None else {}
         self.eos_token_ids = model_eos_token_ids(mc, self.tokenizer)
         self.executor = executor or make_executor(config)
+        # --max-model-len auto: the length rank 0's worker fitted to the agreed KV block count.
+        fitted = getattr(self.executor.worker, "max_model_len", mc.max_model_len)
+        config = self.config = config.with_max_model_len(fitted)
+        mc = config.model_config
         cc = config.cache_config
         sc = config.speculative_config
         self.num_spec_tokens = sc.num_speculative_tokens if sc is not None else 0

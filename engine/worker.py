@@ -48,34 +48,79 @@ def blocks_required(config: EngineConfig) -> tuple[int, int]:
     return per_request, num_dummy_blocks(cc.block_size, lookahead) if dummies else 0
 
 
+def kv_budget(config: EngineConfig) -> tuple[int, str]:
+    """(bytes this rank may spend on the KV cache, the flags that change it). CUDA: a fraction
+    of the memory free after the weights loaded; CPU: ``--kv-cache-memory``."""
+    cc = config.cache_config
+    if config.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(config.device)
+        return int(free * cc.gpu_memory_utilization), (
+            f"raise --gpu-memory-utilization (now {cc.gpu_memory_utilization}) or free GPU memory"
+        )
+    return cc.kv_cache_memory_bytes, "raise --kv-cache-memory"
+
+
+def longest_request(config: EngineConfig, num_blocks: int) -> int:
+    """The longest request (prompt and output) that ``num_blocks`` hold beside the dummy
+    requests' blocks, with the draft look-ahead (``blocks_required``'s rule inverted; < 1: none)."""
+    spec = config.speculative_config
+    lookahead = spec.kv_lookahead if spec is not None else 0
+    _, reserved = blocks_required(config)
+    return (num_blocks - reserved) * config.cache_config.block_size - lookahead
+
+
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     """Blocks that fit the memory budget, capped at what the scheduler could ever use. A budget
     that cannot hold one request of ``max_model_len`` (with the draft look-ahead and the dummy
-    requests' blocks) is refused here, with the memory to add, rather than at the first long
-    request."""
+    requests' blocks) is refused here, naming the longest length that fits and the memory to
+    add, rather than at the first long request; under ``--max-model-len auto`` the length is
+    lowered to fit instead (``fitted_max_model_len``, once the ranks agree on the count)."""
     cc, sc = config.cache_config, config.scheduler_config
     if cc.num_blocks_override is not None:
         return cc.num_blocks_override
-    if config.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(config.device)
-        budget = int(free * cc.gpu_memory_utilization)
-        knob = "raise --gpu-memory-utilization or free GPU memory"
-    else:
-        budget = cc.kv_cache_memory_bytes
-        knob = "raise --kv-cache-memory"
+    budget, knob = kv_budget(config)
     per_request, reserved = blocks_required(config)
     cap = sc.max_num_seqs * per_request + reserved + 1
     blocks = min(budget // bytes_per_block, cap)
     need = per_request + reserved
-    if blocks < need:
+    if blocks < need and not config.model_config.fit_max_model_len:
         add = (need - blocks) * bytes_per_block
+        longest = longest_request(config, blocks)
+        fix = (
+            f"the longest max_model_len that fits is {longest}: pass --max-model-len {longest} "
+            "(or --max-model-len auto)"
+            if longest >= 1
+            else "no max_model_len fits"
+        )
+        spec = config.speculative_config
+        held = " (with the draft look-ahead)" if spec is not None else ""
+        held += f" and {reserved} more are kept for dummy requests" if reserved else ""
         raise ValueError(
             f"the KV cache budget ({budget} bytes) holds {blocks} blocks of {cc.block_size} "
-            f"tokens; one request of max_model_len={sc.max_model_len} needs {per_request} "
-            f"(with the draft look-ahead) and {reserved} more are kept for dummy requests: add "
-            f"{add} bytes ({add / (1 << 20):.1f} MiB) ({knob}), or lower max_model_len"
+            f"tokens; one request of max_model_len={sc.max_model_len} needs {per_request}"
+            f"{held}: {fix}, or add {add} bytes ({add / (1 << 20):.1f} MiB) to serve "
+            f"{sc.max_model_len} ({knob})"
         )
     return blocks
+
+
+def fitted_max_model_len(config: EngineConfig, num_blocks: int) -> int:
+    """``max_model_len`` as served with ``num_blocks`` (the count all ranks agreed on, so every
+    rank gets the same): the configured one, or under ``--max-model-len auto`` the longest
+    request those blocks hold, up to the model's own length."""
+    mc = config.model_config
+    if not mc.fit_max_model_len:
+        return mc.max_model_len
+    longest = min(longest_request(config, num_blocks), mc.max_model_len)
+    if longest < 1:
+        _, reserved = blocks_required(config)
+        raise ValueError(
+            f"--max-model-len auto: the KV cache holds {num_blocks} blocks of "
+            f"{config.cache_config.block_size} tokens, {reserved} of them kept for dummy "
+            f"requests, which leaves no room for a request with the draft look-ahead "
+            f"({kv_budget(config)[1]})"
+        )
+    return longest
 
 
 def eagle3_capture_layers(spec: object, draft_config: object, num_layers: int) -> tuple[int, ...]:
@@ -204,13 +249,22 @@ class Worker:
         self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
         if agree_num_blocks is not None:
             self.num_blocks = agree_num_blocks(self.num_blocks)
+        # What the engine serves: under --max-model-len auto, what the agreed blocks hold.
+        self.max_model_len = fitted_max_model_len(config, self.num_blocks)
+        if mc.fit_max_model_len and self.mapping.tp_rank == 0:
+            logger.info(
+                "max_model_len auto: %d (the longest request the KV cache holds, up to the "
+                "model's own %d)",
+                self.max_model_len,
+                mc.max_model_len,
+            )
         self.runner.allocate_kv_cache(self.num_blocks, mc.dtype)
         if mode is not None:  # capture every graph key now (reads the reserved dummy blocks)
             sizes = graph_batch_sizes(
                 config.scheduler_config.max_num_seqs, gc.cuda_graph_batch_sizes
             )
             self.runner.graph_runner = GraphRunner(
-                self.runner, sizes, mc.max_model_len, self.mapping, mode
+                self.runner, sizes, self.max_model_len, self.mapping, mode
             )
             self.runner.graph_runner.capture_all()
             logger.info("graphs (%s): captured %d keys", mode, len(self.runner.graph_runner.graphs))

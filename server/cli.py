@@ -1,5 +1,8 @@
 """``tandem serve MODEL [options]``: its options, mapped onto ``EngineArgs``, and the HTTP server's
-start (the socket, uvicorn, the engine's lifecycle). The ``tandem`` command is ``tandem.cli``."""
+start (the socket, uvicorn, the engine's lifecycle). The ``tandem`` command is ``tandem.cli``.
+
+``vllm serve`` command lines work as written (``server/launch_flags.py``: their spellings, dotted
+keys, and the flags that describe what Tandem always does); MODEL may be a Hugging Face id."""
 
 from __future__ import annotations
 
@@ -10,13 +13,21 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.process_exit import exit_process
+from tandem.server.launch_flags import (
+    EXECUTOR_BACKENDS,
+    LaunchArgumentParser,
+    check_flags,
+    flag_notes,
+)
 
 if TYPE_CHECKING:
     from tandem.engine.config import EngineArgs
     from tandem.engine.distributed import LaunchEnv
+    from tandem.server.state import ServerSettings
 
 logger = logging.getLogger("tandem")
 
@@ -43,13 +54,37 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
 
 
+def _model_len(text: str) -> int:
+    """'8192', '32k' (32,000), '32K' (32,768), 'auto' or '-1' (``MAX_MODEL_LEN_AUTO``)."""
+    from tandem.engine.config import parse_max_model_len
+
+    try:
+        length = parse_max_model_len(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("max_model_len=", "")) from None
+    assert length is not None  # a string always parses to a length
+    return length
+
+
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     """The options of ``tandem serve`` (the command itself lives in ``tandem.cli``)."""
     s.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="local Hugging Face model folder (default: the built-in SmolLM2-135M-Instruct)",
+        help="a local Hugging Face model folder, or a Hugging Face id (ORG/NAME; fetched into "
+        "the hub cache; HF_TOKEN, HF_HUB_OFFLINE) (default: the built-in SmolLM2-135M-Instruct)",
+    )
+    s.add_argument(
+        "--revision",
+        default=None,
+        help="the model's branch, tag or commit on the Hugging Face Hub (default: main)",
+    )
+    s.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="the Hugging Face cache to fetch ids into and read them from (default: HF_HUB_CACHE)",
     )
     s.add_argument(
         "--config",
@@ -74,8 +109,24 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json"],
+        choices=["hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder"],
         help="how tool calls are read from the output (default: the chat template's format)",
+    )
+    from tandem.server.reasoning import CHOICES as REASONING_PARSERS
+
+    http.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's thinking (<think>...</think>) into reasoning_content "
+        "(default auto: the chat template's family when the template has a thinking section)",
+    )
+    http.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="a JSON object of chat template variables for every request, e.g. "
+        "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win key by key)",
     )
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     http.add_argument(
@@ -111,7 +162,13 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     eng.add_argument("--dtype", default="auto")
     eng.add_argument("--device", default="auto")
     eng.add_argument("--seed", type=int, default=0)
-    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument(
+        "--max-model-len",
+        type=_model_len,
+        default=None,
+        help="tokens per request, prompt and output (default: the model's own context length; "
+        "32k = 32,000, 32K = 32,768; auto: the longest the KV cache holds, up to the model's)",
+    )
     eng.add_argument("--max-num-seqs", type=int, default=64)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument(
@@ -127,6 +184,61 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--num-kv-blocks", type=int, default=None)
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    eng.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,FOLDER}",
+        help="sampling defaults: auto (the model folder's generation_config.json), vllm (none: "
+        "OpenAI's defaults) or a folder with a generation_config.json",
+    )
+
+    same = s.add_argument_group(
+        "accepted as other servers spell them (each logged once; what Tandem cannot honour is "
+        "refused)"
+    )
+    same.add_argument(
+        "--trust-remote-code",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="accepted: no remote code is ever run (Tandem serves the architectures it "
+        "implements and refuses others by name)",
+    )
+    same.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="always on: long prompts are prefilled in chunks of --max-num-batched-tokens (the "
+        "--no- form is refused)",
+    )
+    same.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="always on: tool calls are parsed whenever a request has tools",
+    )
+    same.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="always on: MoE experts are split across the tensor-parallel ranks",
+    )
+    same.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="always so: request contents are never logged",
+    )
+    same.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="not used: a preempted request is recomputed, never swapped to CPU memory",
+    )
+    same.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=EXECUTOR_BACKENDS,
+        help="mp: ranks in processes of their own (what Tandem does); uni: one process (needs "
+        "-tp 1); external_launcher: started by torchrun; ray is refused",
+    )
 
     par = s.add_argument_group("parallelism and speculation")
     par.add_argument(
@@ -178,8 +290,9 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--speculative-config",
         default=None,
-        help="JSON, e.g. '{\"method\": ...}', or none; the built-in model defaults to its shipped "
-        "Eagle3 head (K = 3, paused from 4 running requests)",
+        help="JSON, e.g. '{\"method\": ...}', or dotted keys (--speculative-config.method mtp), or "
+        "none; the built-in model defaults to its shipped Eagle3 head (K = 3, paused from 4 "
+        "running requests); its model may be a Hugging Face id",
     )
 
     graphs = s.add_argument_group("CUDA graphs")
@@ -214,9 +327,11 @@ def dist_init_addr_from(ns: argparse.Namespace) -> str | None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
-    """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do)."""
+    """Map parsed options onto ``EngineArgs`` (raises ``ValueError`` for what we cannot do).
+    Hugging Face ids stay ids: ``serve`` fetches them (``EngineArgs.with_local_folders``)."""
     from tandem.engine.config import EngineArgs
 
+    check_flags(ns)
     spec = None
     spec_off = False  # "none" / "null": no speculation, even for the built-in model
     if ns.speculative_config is not None:
@@ -269,6 +384,39 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         cuda_graph_batch_sizes=(
             None if ns.cuda_graph_batch_sizes is None else tuple(ns.cuda_graph_batch_sizes)
         ),
+        revision=ns.revision,
+        download_dir=ns.download_dir,
+        generation_config=ns.generation_config,
+    )
+
+
+def server_settings_from(
+    ns: argparse.Namespace, on_engine_dead: Callable[[str], None] | None = None
+) -> ServerSettings:
+    """Map parsed options onto ``ServerSettings`` (``ValueError`` for values out of range)."""
+    from tandem.server.chat import parse_template_kwargs
+    from tandem.server.state import ServerSettings
+
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
+    if ns.max_request_body_size < 1:
+        raise ValueError(
+            f"--max-request-body-size must be positive, got {ns.max_request_body_size}"
+        )
+    return ServerSettings(
+        api_key=ns.api_key or None,
+        served_model_names=list(ns.served_model_name or []),
+        chat_template=ns.chat_template,
+        tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
+        default_chat_template_kwargs=parse_template_kwargs(ns.default_chat_template_kwargs),
+        ready_timeout_s=ns.ready_timeout,
+        heartbeat_timeout_s=ns.engine_heartbeat_timeout,
+        log_level="DEBUG" if ns.log_level == "trace" else ns.log_level.upper(),
+        on_engine_dead=on_engine_dead,
+        shutdown_timeout_s=ns.shutdown_timeout,
+        max_request_body_bytes=ns.max_request_body_size,
+        allow_request_chat_template=ns.trust_request_chat_template,
     )
 
 
@@ -301,13 +449,15 @@ def serve(ns: argparse.Namespace) -> int:
 
     from tandem.server.app import build_app
     from tandem.server.lifecycle import GracefulServer
-    from tandem.server.state import ServerSettings
 
     level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(ns)
+    for note in flag_notes(ns):
+        logger.info("%s", note)
     for name, value in getattr(ns, "config_engine_fields", {}).items():  # --config keys, no flag
         setattr(engine_args, name, value)
+    engine_args = engine_args.with_local_folders()  # Hugging Face ids: fetched once, here
     if (launch := launched_rank(engine_args)) is not None and launch.rank != 0:
         # torchrun / srun started every rank as `tandem serve`: only global rank 0 serves HTTP.
         from tandem.engine.executor import check_launch
@@ -350,25 +500,7 @@ def serve(ns: argparse.Namespace) -> int:
 
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, stop)
 
-    if ns.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
-    if ns.max_request_body_size < 1:
-        raise ValueError(
-            f"--max-request-body-size must be positive, got {ns.max_request_body_size}"
-        )
-    settings = ServerSettings(
-        api_key=ns.api_key or None,
-        served_model_names=list(ns.served_model_name or []),
-        chat_template=ns.chat_template,
-        tool_call_parser=ns.tool_call_parser,
-        ready_timeout_s=ns.ready_timeout,
-        heartbeat_timeout_s=ns.engine_heartbeat_timeout,
-        log_level=level,
-        on_engine_dead=on_engine_dead,
-        shutdown_timeout_s=ns.shutdown_timeout,
-        max_request_body_bytes=ns.max_request_body_size,
-        allow_request_chat_template=ns.trust_request_chat_template,
-    )
+    settings = server_settings_from(ns, on_engine_dead)
     # The port is bound before anything loads: a busy port stops the server at once, not after
     # the engine has loaded the model, and nothing else can take the port meanwhile.
     sock = listen_socket(ns.host, ns.port)
@@ -403,7 +535,7 @@ def serve(ns: argparse.Namespace) -> int:
 def _options_given(argv: list[str]) -> set[str]:
     """Destinations of the ``serve`` options present in ``argv`` (``serve``'s own arguments;
     not filled in by defaults)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = LaunchArgumentParser(add_help=False)
     add_serve_arguments(parser)
     for action in parser._actions:
         action.default = argparse.SUPPRESS
