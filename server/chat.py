@@ -19,6 +19,42 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Variables the renderer sets (and helpers it provides): a client's template kwargs may not
+# replace them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "documents",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+
+
+def parse_template_kwargs(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``--default-chat-template-kwargs``: a JSON object's text (or the object, from a config
+    file) -> template variables; ``ValueError`` naming the flag for anything else."""
+    flag = "--default-chat-template-kwargs"
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise ValueError(f"{flag} may not set {', '.join(reserved)}: the server sets it")
+    return value
+
 
 class ChatTemplateError(ValueError):
     """The template could not render these messages (a client error: answered with 400)."""
@@ -88,14 +124,20 @@ class ChatRenderer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """``template_kwargs``: more variables for the template (``chat_template_kwargs``, such
+        as ``enable_thinking``); the names the renderer sets itself win over them."""
         try:
             return self.template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools or None,
-                documents=None,
-                **self.special_tokens,
+                {
+                    **(template_kwargs or {}),
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                    "tools": tools or None,
+                    "documents": None,
+                    **self.special_tokens,
+                }
             )
         except ChatTemplateError:
             raise
@@ -125,6 +167,10 @@ def messages_for_template(
             d["name"] = m.name
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        # An earlier answer's thinking, under the name templates read (Qwen3, GLM-4.5).
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
         if m.tool_calls:
             calls = [c.model_dump() for c in m.tool_calls]
             for c in calls:

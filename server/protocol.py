@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from tandem.server.chat import RESERVED_TEMPLATE_NAMES
 from tandem.server.errors import bad_request, unsupported
 
 MAX_N = 128
@@ -20,6 +21,7 @@ MAX_STOP = 16
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1 - MAX_N  # room for the per-sample seeds seed + i
 TOKEN_ID_MAX = 2**31 - 1
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def _check_unicode(value: Any) -> None:
@@ -237,6 +239,10 @@ class ChatMessage(StrictModel):
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message answers this call
     refusal: str | None = None  # echoed back by clients that resend a response's message
+    # An assistant's earlier thinking (the template decides whether the model sees it);
+    # ``reasoning`` is the newer name of the same field.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -249,16 +255,20 @@ class ChatCompletionRequest(SamplingFields):
     # A Jinja chat template for this request only; refused unless the operator allows it
     # (--trust-request-chat-template). Rendered in the same sandbox as the server's own.
     chat_template: str | None = None
-    # Declared by OpenAI, not implemented here.
+    # More variables for the chat template (``enable_thinking``, ``thinking``, ...); they
+    # replace the server's --default-chat-template-kwargs key by key.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as ``reasoning_effort``.
+    reasoning_effort: str | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Declared by OpenAI, not implemented here (check_supported refuses other than neutral).
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any = None
 
@@ -269,9 +279,21 @@ class ChatCompletionRequest(SamplingFields):
             raise unsupported("functions")
         if self.function_call not in (None, "none", "auto"):
             raise unsupported("function_call")
-        for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"):
+        for name in ("audio", "prediction", "verbosity", "web_search_options"):
             if getattr(self, name) is not None:
                 raise unsupported(name)
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise bad_request(
+                f"reasoning_effort must be one of {', '.join(map(repr, REASONING_EFFORTS))}, "
+                f"got {self.reasoning_effort!r}",
+                "reasoning_effort",
+            )
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it",
+                f"chat_template_kwargs.{reserved[0]}",
+            )
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "Only ['text'] is served.")
         if self.top_logprobs and not self.logprobs:
@@ -286,6 +308,21 @@ class ChatCompletionRequest(SamplingFields):
                 raise bad_request(
                     f"messages[{i}].tool_calls is only for role 'assistant'",
                     f"messages[{i}].tool_calls",
+                )
+            for name in ("reasoning_content", "reasoning"):
+                if getattr(m, name) is not None and m.role != "assistant":
+                    raise bad_request(
+                        f"messages[{i}].{name} is only for role 'assistant'",
+                        f"messages[{i}].{name}",
+                    )
+            if (
+                None not in (m.reasoning_content, m.reasoning)
+                and m.reasoning_content != m.reasoning
+            ):
+                raise bad_request(
+                    f"messages[{i}] has both reasoning_content and reasoning, and they differ; "
+                    "send one",
+                    f"messages[{i}].reasoning",
                 )
             if m.content is None and m.role != "assistant":
                 raise bad_request(

@@ -192,14 +192,24 @@ async def compile_grammar(state: Any, params: SamplingParams, **error_args: Any)
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, outs: Iterable[RequestOutput] = ()
+    prompt_tokens: int,
+    completion_tokens: int,
+    outs: Iterable[RequestOutput] = (),
+    *,
+    cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """OpenAI usage; under speculation a ``spec_decode`` object adds draft and accepted counts."""
+    """OpenAI usage: ``cached_tokens`` of the prompt came from the prefix cache;
+    ``reasoning_tokens`` (with a reasoning parser) of the completion were thinking. Under
+    speculation a ``spec_decode`` object adds draft and accepted counts."""
     body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     stats = [o.spec_stats for o in outs if o.spec_stats is not None]
     if stats:
         total = SpecStats()
@@ -217,6 +227,12 @@ def usage(
             "num_accepted_tokens_per_depth": list(total.accepted_per_pos),
         }
     return body
+
+
+def cached_prompt_tokens(samples: Iterable[RequestOutput]) -> int:
+    """Prefix-cache hits of one prompt sampled ``n`` times: the tokens no sample computed (the
+    samples share the prompt, which usage counts once)."""
+    return min((o.num_cached_tokens for o in samples), default=0)
 
 
 def sse(data: dict[str, Any] | str) -> str:

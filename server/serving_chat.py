@@ -8,13 +8,15 @@ from functools import partial
 from typing import Any
 
 from tandem.engine.client import RequestGroup
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.server.chat import ChatRenderer, ChatTemplateError, messages_for_template
 from tandem.server.errors import bad_request, unsupported
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.reasoning import ReasoningParser, resolve_parser
 from tandem.server.serving import (
     build_sampling_params,
+    cached_prompt_tokens,
     compile_grammar,
     engine_error_to_api,
     envelope,
@@ -52,10 +54,28 @@ def render_chat_prompt(
     add_generation_prompt: bool,
     template: str | None = None,
     tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Messages -> prompt token ids through the chat template (400 if it cannot render).
+    """Messages -> prompt token ids through the chat template (see ``render_chat_text``)."""
+    text = render_chat_text(
+        state, messages, add_generation_prompt, template, tools, template_kwargs
+    )
+    # The template writes any BOS itself.
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(
+    state: ServerState,
+    messages: list[Any],
+    add_generation_prompt: bool,
+    template: str | None = None,
+    tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Messages -> prompt text through the chat template (400 if it cannot render).
     ``template`` is the request's own (see ``request_renderer``); ``tools`` reach the template,
-    or a system message when the template does not use them (server/tools.py)."""
+    or a system message when the template does not use them (server/tools.py);
+    ``template_kwargs`` are more template variables (``chat_template_kwargs``)."""
     renderer = state.renderer if template is None else request_renderer(state, template)
     if renderer is None:
         raise bad_request(
@@ -64,7 +84,7 @@ def render_chat_prompt(
         )
     knows_calls = template_uses(renderer.source, "tool_calls")
     override = state.settings.tool_call_parser
-    fmt = call_format(renderer.source, override)
+    fmt = call_format(renderer.source, override, tools is not None and tools.parses)
     as_text = None if knows_calls else partial(calls_text, call_format=fmt)
     dicts = messages_for_template(messages, as_text)
     if tools is not None and tools.tools and not template_uses(renderer.source, "tools"):
@@ -75,11 +95,11 @@ def render_chat_prompt(
             else:
                 dicts.insert(0, {"role": "system", "content": system})
     try:
-        text = renderer.render(dicts, add_generation_prompt, tools.tools if tools else None)
+        return renderer.render(
+            dicts, add_generation_prompt, tools.tools if tools else None, template_kwargs
+        )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
-    # The template writes any BOS itself.
-    return state.tokenizer.encode(text, add_special_tokens=False)
 
 
 class ChatHandler:
@@ -93,6 +113,8 @@ class ChatHandler:
         self.want_logprobs = bool(req.logprobs)
         self.prompt_ids: list[int] = []
         self.tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        self.reasoning: ReasoningParser | None = None  # set by submit()
+        self.opened = False  # the prompt opened the thinking: the output starts in it
 
     async def submit(self) -> RequestGroup:
         req = self.req
@@ -106,10 +128,29 @@ class ChatHandler:
         forced = self.tools.grammar(self._call_format())
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
-        await compile_grammar(self.state, params, prompt_param="messages", param_names=_PARAM_NAMES)
-        self.prompt_ids = render_chat_prompt(
-            self.state, req.messages, req.add_generation_prompt, req.chat_template, self.tools
+        kwargs = {**self.state.settings.default_chat_template_kwargs}
+        kwargs.update(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = req.reasoning_effort
+        text = render_chat_text(
+            self.state,
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template,
+            self.tools,
+            kwargs,
         )
+        # The template writes any BOS itself.
+        self.prompt_ids = self.state.tokenizer.encode(text, add_special_tokens=False)
+        self.reasoning = resolve_parser(self.state.settings.reasoning_parser, self._template())
+        self.opened = self.reasoning is not None and self.reasoning.opens_in_prompt(text)
+        if params.structured is not None and self._thinks_first(text):
+            # The grammar (response_format, forced calls) holds what follows the thinking.
+            end = self.reasoning.end if self.reasoning else ""
+            special = end in getattr(self.state.tokenizer, "all_special_tokens", ())
+            structured = dataclasses.replace(params.structured, after=end, after_special=special)
+            params = dataclasses.replace(params, structured=structured)
+        await compile_grammar(self.state, params, prompt_param="messages", param_names=_PARAM_NAMES)
         items = [
             (f"{self.request_id}-{j}", self.prompt_ids, params.child(j) if self.n > 1 else params)
             for j in range(self.n)
@@ -119,8 +160,35 @@ class ChatHandler:
         except Exception as e:
             raise engine_error_to_api(e, prompt_param="messages", param_names=_PARAM_NAMES) from e
 
+    def _thinks_first(self, prompt: str) -> bool:
+        """Whether the output may open with a thinking section: a reasoning parser is on and the
+        prompt does not end with the thinking closed (``enable_thinking: false`` writes an empty
+        one there)."""
+        return self.reasoning is not None and not prompt.rstrip().endswith(self.reasoning.end)
+
     def _usage(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return usage(len(self.prompt_ids), sum(len(o.outputs[0].token_ids) for o in outs), outs)
+        reasoning_tokens = None
+        if self.reasoning is not None:
+            reasoning_tokens = sum(
+                self._reasoning_tokens(self.reasoning, o.outputs[0]) for o in outs
+            )
+        return usage(
+            len(self.prompt_ids),
+            sum(len(o.outputs[0].token_ids) for o in outs),
+            outs,
+            cached_tokens=cached_prompt_tokens(outs),
+            reasoning_tokens=reasoning_tokens,
+        )
+
+    def _reasoning_tokens(self, parser: ReasoningParser, c: CompletionOutput) -> int:
+        skip = self.req.skip_special_tokens
+
+        def decode(ids: list[int]) -> str:
+            return self.state.tokenizer.decode(ids, skip_special_tokens=skip)
+
+        return parser.count_tokens(
+            c.token_ids, c.text, self.opened, decode, self.state.think_end_id
+        )
 
     # -------------------------------------------------------------- full response
 
@@ -131,10 +199,17 @@ class ChatHandler:
             logprobs = None
             if self.want_logprobs:
                 logprobs = chat_logprobs(c.logprobs or [], self.state.token_text)
-            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text = c.text
+            if self.reasoning is not None:
+                split = self.reasoning.split(c.text, self.opened)
+                text = split.content or ""
+                message["content"] = split.content
+                message["reasoning_content"] = message["reasoning"] = split.reasoning
+            message["refusal"] = None
             finish = c.finish_reason
-            if self.tools.parses:
-                parsed = self._parser().parse(c.text)
+            if self.tools.parses:  # calls are read from the answer, never from the thinking
+                parsed = self._parser().parse(text)
                 calls = parsed.tool_calls[: None if self.tools.parallel else 1]
                 if calls:
                     message["content"] = parsed.content or None
@@ -173,6 +248,9 @@ class ChatHandler:
         sent_tokens = [0] * self.n
         last: dict[int, RequestOutput] = {}
         streams = [self._parser().stream() for _ in range(self.n)] if self.tools.parses else []
+        thinking = (
+            [self.reasoning.stream(self.opened) for _ in range(self.n)] if self.reasoning else []
+        )
         num_calls = [0] * self.n
         try:
             for i in range(self.n):
@@ -191,14 +269,22 @@ class ChatHandler:
                     continue
                 sent_text[i] += delta
                 sent_tokens[i] = len(c.token_ids)
+                reasoning = ""
+                if thinking:
+                    reasoning, delta = thinking[i].feed(delta)
+                    if out.finished:
+                        more_reasoning, more = thinking[i].finish()
+                        reasoning, delta = reasoning + more_reasoning, delta + more
                 message: dict[str, Any] = {"content": delta} if delta else {}
                 finish = c.finish_reason if out.finished else None
                 if streams:
                     message, finish = self._tool_delta(
                         streams[i], delta, out.finished, finish, num_calls, i
                     )
-                    if not (message or new_lps or out.finished):
-                        continue  # text held back: it may start a call
+                if reasoning:
+                    message = {"reasoning_content": reasoning, "reasoning": reasoning, **message}
+                if (streams or thinking) and not (message or new_lps or out.finished):
+                    continue  # text held back: it may start a call or a tag
                 choice = {
                     "index": i,
                     "delta": message,

@@ -11,6 +11,7 @@ from tandem.server.logprobs import completion_logprobs
 from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
     build_sampling_params,
+    cached_prompt_tokens,
     compile_grammar,
     engine_error_to_api,
     envelope,
@@ -77,7 +78,11 @@ class CompletionHandler:
             if p * self.n in outs
         )
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outs.values())
-        return usage(prompt_tokens, completion_tokens, outs.values())
+        cached = sum(
+            cached_prompt_tokens(outs[i] for i in range(p * self.n, (p + 1) * self.n) if i in outs)
+            for p in range(len(self.prompts))
+        )
+        return usage(prompt_tokens, completion_tokens, outs.values(), cached_tokens=cached)
 
     # -------------------------------------------------------------- full response
 

@@ -17,6 +17,7 @@ from tandem.server.chat import ChatRenderer, resolve_chat_template
 from tandem.server.errors import model_not_found, server_unavailable
 from tandem.server.logprobs import TokenText
 from tandem.server.metrics import ServerMetrics
+from tandem.server.reasoning import THINK_END, resolve_parser, single_token_id
 from tandem.server.serving import RETRY_AFTER_NOT_READY_S
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class ServerSettings:
     allow_request_chat_template: bool = False
     # How tool calls are read from the output (server/tool_parsers.py); None: the template's.
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is split from its answer (server/reasoning.py): "auto"
+    # (the chat template's family when it has a thinking section), a parser name, or "none".
+    reasoning_parser: str = "auto"
+    # Chat template variables for every request (a request's chat_template_kwargs win).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Called once when the engine is gone for good (start-up failed or it died).
     on_engine_dead: Callable[[str], None] | None = None
 
@@ -71,6 +77,15 @@ class ServerState:
         self.token_text = TokenText(self.tokenizer)
         template = resolve_chat_template(settings.chat_template, self.tokenizer)
         self.renderer = ChatRenderer(template, self.tokenizer) if template else None
+        parser = resolve_parser(settings.reasoning_parser, template)
+        if parser is not None:
+            logger.info(
+                "reasoning parser %s (--reasoning-parser %s): thinking goes to reasoning_content",
+                parser.name,
+                settings.reasoning_parser,
+            )
+        # The end of the thinking as one token id, if the tokenizer has it (reasoning_tokens).
+        self.think_end_id = single_token_id(self.tokenizer, THINK_END)
         self.created = int(time.time())
         self.generation_defaults: dict[str, Any] = {}
         self.start_error: str | None = None

@@ -219,7 +219,7 @@ def test_text_parts_are_accepted(http):
         ("chat", "logit_bias", {"5": 101}),  # outside [-100, 100]
         ("chat", "audio", {"voice": "alloy", "format": "wav"}),
         ("chat", "modalities", ["text", "audio"]),
-        ("chat", "reasoning_effort", "high"),
+        ("chat", "reasoning_effort", "extreme"),  # low, medium or high
         ("chat", "store", True),
         ("chat", "service_tier", "priority"),
         ("completion", "best_of", 3),
