@@ -523,6 +523,7 @@ class EngineArgs:
             tokenizer = resolve_folder(tokenizer, cache_dir=cache, what="tokenizer", weights=False)
         spec = self.speculative_config
         if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+            SpeculativeConfig.from_dict(spec)  # its own errors first, before any download
             draft = resolve_folder(spec["model"], cache_dir=cache, what="speculative_config.model")
             spec = {**spec, "model": draft}
         return dataclasses.replace(
