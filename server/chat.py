@@ -148,12 +148,15 @@ class ChatRenderer:
 
 
 def messages_for_template(
-    messages: list[Any], calls_as_text: Callable[[list[dict[str, Any]]], str] | None = None
+    messages: list[Any],
+    calls_as_text: Callable[[list[dict[str, Any]]], str] | None = None,
+    parse_arguments: bool = True,
 ) -> list[dict[str, Any]]:
     """Protocol messages -> plain dicts; text parts are joined with newlines. An assistant's
     ``tool_calls`` keep OpenAI's shape with the arguments parsed (as Hugging Face templates
-    expect them); ``calls_as_text`` also writes them into the content, for templates that do
-    not render ``tool_calls``."""
+    expect them; ``parse_arguments`` False: the JSON text the client sent, which DeepSeek's
+    templates concatenate); ``calls_as_text`` also writes them into the content, for templates
+    that do not render ``tool_calls``."""
     out = []
     for m in messages:
         content = m.content
@@ -173,7 +176,7 @@ def messages_for_template(
             d["reasoning_content"] = reasoning
         if m.tool_calls:
             calls = [c.model_dump() for c in m.tool_calls]
-            for c in calls:
+            for c in calls if parse_arguments else ():
                 try:
                     c["function"]["arguments"] = json.loads(c["function"]["arguments"])
                 except json.JSONDecodeError:

@@ -86,19 +86,32 @@ def render_chat_text(
     override = state.settings.tool_call_parser
     fmt = call_format(renderer.source, override, tools is not None and tools.parses)
     as_text = None if knows_calls else partial(calls_text, call_format=fmt)
-    dicts = messages_for_template(messages, as_text)
+    system = None
     if tools is not None and tools.tools and not template_uses(renderer.source, "tools"):
         if tools.choice != "none":
             system = tools.system_prompt(fmt)
+
+    def render(parse_arguments: bool) -> str:
+        dicts = messages_for_template(messages, as_text, parse_arguments)
+        if system is not None:
             if dicts and dicts[0]["role"] == "system":
                 dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{system}"}
             else:
                 dicts.insert(0, {"role": "system", "content": system})
-    try:
         return renderer.render(
             dicts, add_generation_prompt, tools.tools if tools else None, template_kwargs
         )
+
+    try:
+        return render(parse_arguments=True)
     except ChatTemplateError as e:
+        if any(getattr(m, "tool_calls", None) for m in messages):
+            # Templates that concatenate earlier calls' arguments as text (DeepSeek's) fail
+            # on the parsed objects Hugging Face's convention passes: give them the text.
+            try:
+                return render(parse_arguments=False)
+            except ChatTemplateError:
+                pass
         raise bad_request(str(e), "messages") from e
 
 

@@ -92,19 +92,15 @@ class ToolPlan:
 
     def system_prompt(self, call_format: str = "hermes") -> str:
         """The tools for a template that does not render them itself, and how to call them in
-        ``call_format`` (the format the output is parsed in): Hermes or Llama 3, the formats
-        this message can teach; another one is a 400 (a model that writes it needs a template
-        that renders the tools)."""
-        if call_format not in _HOW_TO_CALL:
-            raise bad_request(
-                f"the chat template does not render tools, so the server describes them in a "
-                f"system message, which teaches only the {' or '.join(_HOW_TO_CALL)} format; "
-                f"--tool-call-parser {call_format} needs a chat template that renders tools "
-                "(--chat-template FILE)",
-                "tools",
-            )
+        ``call_format`` (the format the output is parsed in): in words for Hermes and Llama 3,
+        by an example written in the format for the others (DeepSeek's templates write earlier
+        calls but not the tools)."""
         tools = "\n".join(json.dumps(t, ensure_ascii=False) for t in self.tools)
-        return _TOOLS.format(tools=tools) + _HOW_TO_CALL[call_format]
+        how = _HOW_TO_CALL.get(call_format)
+        if how is None:
+            example = write_calls([("function_name", {"argument_name": "value"})], call_format)
+            how = f"To call a function, write the call in exactly this format:\n{example}"
+        return _TOOLS.format(tools=tools) + how
 
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan:
@@ -127,9 +123,11 @@ def call_format(template: str | None, override: str | None, tools: bool = True) 
     (only earlier calls are written then)."""
     if override:
         return override
-    if not template_uses(template, "tools"):
-        return "hermes"
     found = parser_name_for_template(template)
+    if not template_uses(template, "tools"):
+        # The tools come in our system message, in the format the template writes earlier
+        # calls in when it writes them (DeepSeek's), else Hermes.
+        return found or "hermes"
     if found is not None:
         return found
     if not tools:

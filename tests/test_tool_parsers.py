@@ -517,9 +517,10 @@ def test_the_call_format_follows_the_template_or_the_flag() -> None:
     read = {file: (TEMPLATES / file).read_text() for file in TEMPLATE_FORMATS}
     for file in ("glm45_excerpt.jinja", "qwen3_coder.jinja", "qwen3.jinja"):
         assert call_format(read[file], None) == TEMPLATE_FORMATS[file]
-    # DeepSeek's own templates do not render tools: our system message teaches Hermes.
-    assert call_format(read["deepseek_r1.jinja"], None) == "hermes"
-    assert call_format(read["deepseek_v31.jinja"], None) == "hermes"
+    # DeepSeek's own templates do not render tools but write earlier calls: our system message
+    # lists the tools and teaches that format, and the output is read in it.
+    assert call_format(read["deepseek_r1.jinja"], None) == "deepseek_v3"
+    assert call_format(read["deepseek_v31.jinja"], None) == "deepseek_v31"
     assert call_format(DEEPSEEK_WITH_TOOLS, None) == "deepseek_v3"
     assert call_format(read["qwen3.jinja"], "glm45") == "glm45"  # --tool-call-parser wins
     assert call_format(None, None) == "hermes"
@@ -567,13 +568,53 @@ def test_tools_with_a_template_of_an_unknown_format_are_a_400() -> None:
             )
 
 
-def test_a_format_our_system_message_cannot_teach_is_a_400() -> None:
+def test_our_system_message_teaches_the_format_calls_are_read_in() -> None:
     """A template that does not render tools gets them in our system message, which teaches
-    Hermes or Llama 3 only: --tool-call-parser glm45 there would read calls the model was never
-    shown how to write."""
+    the format the output is read in: in words (Hermes, Llama 3) or by an example written in
+    that format, which its parser reads back."""
     tool = {"type": "function", "function": {"name": "add", "parameters": SCHEMAS["add"]}}
     plan = plan_tools([SimpleNamespace(model_dump=lambda **_: tool)], None, None)
     assert "<tool_call>" in plan.system_prompt("hermes")
-    with pytest.raises(APIError, match="--tool-call-parser glm45 needs a chat template") as e:
-        plan.system_prompt("glm45")
-    assert e.value.param == "tools"
+    for fmt in ("deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder"):
+        prompt = plan.system_prompt(fmt)
+        assert '"name": "add"' in prompt  # the tools
+        example = prompt.split("in exactly this format:\n", 1)[1]
+        parsed = make_parser(fmt, {"function_name"}).parse(example).tool_calls
+        assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+            ("function_name", {"argument_name": "value"})
+        ], fmt
+
+
+@pytest.mark.parametrize("file", ["deepseek_r1.jinja", "deepseek_v31.jinja", "qwen3.jinja"])
+def test_a_conversation_with_earlier_calls_renders_through_the_real_template(file: str) -> None:
+    """DeepSeek's templates concatenate an earlier call's arguments as text, where Hugging
+    Face's convention (Qwen3's template) passes them parsed: both render, and the tools come in
+    a system message teaching the template's own format where the template does not render
+    them."""
+    from tandem.server.protocol import ChatCompletionRequest
+    from tandem.server.serving_chat import render_chat_text
+
+    template = (TEMPLATES / file).read_text()
+    tokens = SimpleNamespace(bos_token="<s>", eos_token="</s>")
+    state = SimpleNamespace(
+        renderer=ChatRenderer(template, tokens), settings=SimpleNamespace(tool_call_parser=None)
+    )
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ], "tools": [tool]}
+    )  # fmt: skip
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    text = render_chat_text(state, req.messages, True, None, plan)
+    fmt = call_format(template, None)
+    assert fmt == {"deepseek_r1.jinja": "deepseek_v3", "deepseek_v31.jinja": "deepseek_v31"}.get(
+        file, "hermes"
+    )
+    assert "sunny" in text and '"get_weather"' in text  # the tool result; the tools listed
+    (written,) = make_parser(fmt, {"get_weather"}).parse(text).tool_calls[:1]
+    assert (written.name, json.loads(written.arguments)) == ("get_weather", {"city": "Paris"})
