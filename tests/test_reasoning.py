@@ -573,3 +573,58 @@ def test_a_constraint_holds_only_what_follows_the_thinking(client: openai.OpenAI
         "The answer is sunny.",
         None,
     )
+
+
+# A thinking section with braces in it (not JSON), an end tag split over two tokens, then JSON
+# whose tokens are the strings the grammar forces (a word-level tokenizer spells nothing else).
+JSON_SCRIPT_TOKENS = (" Hmm,", " a", " {json}", " answer.", "</th", "ink>", '{"n":', "7", "}")
+N_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def json_scripted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from scripted import Script, build_scripted_model
+
+    script = Script(sequences=(("<json>", *JSON_SCRIPT_TOKENS),))
+    folder = tmp_path_factory.mktemp("json_scripted") / "m"
+    return build_scripted_model(folder, script, "{{ '<json>' }}", mtp=True)
+
+
+def test_a_schema_after_the_thinking_is_exact_with_and_without_speculation(json_scripted) -> None:
+    """Offline engine, greedy: a JSON schema that starts after ``</think>`` leaves the thinking
+    free and holds the answer, with the same output with and without speculation (a perfect
+    MTP head: the end tag and the answer arrive inside one step); constrained from the first
+    token, the output is the bare JSON."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from tandem import LLM, SamplingParams
+    from tandem.engine.structured_output import StructuredSpec
+
+    prompt = [AutoTokenizer.from_pretrained(json_scripted).convert_tokens_to_ids("<json>")]
+    schema = json.dumps(N_SCHEMA)
+    after = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        structured=StructuredSpec("json_schema", schema, after="</think>"),
+    )
+    from_start = SamplingParams(
+        temperature=0, max_tokens=16, structured=StructuredSpec("json_schema", schema)
+    )
+    texts = []
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+        with LLM(str(json_scripted), speculative_config=spec, max_model_len=64) as llm:
+            out, bare = llm.generate([prompt, prompt], [after, from_start])
+            if spec is not None:
+                assert out.spec_stats.num_accepted_tokens > 0
+        texts.append(out.outputs[0].text)
+        assert bare.outputs[0].text == '{"n":7}'
+    assert texts[0] == texts[1] == "".join(JSON_SCRIPT_TOKENS)
+    thinking, answer = texts[0].split("</think>")
+    assert "{json}" in thinking
+    jsonschema.validate(json.loads(answer), N_SCHEMA)

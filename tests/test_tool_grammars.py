@@ -288,26 +288,39 @@ def llm(tmp_path_factory: pytest.TempPathFactory):
         yield llm
 
 
+BOUNDED = {  # values a random walk finishes: every string and number is bounded
+    "name": "set_alarm",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string", "maxLength": 6},
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "days": {"type": "array", "items": {"enum": ["mo", "tu"]}, "maxItems": 2},
+            "loud": {"type": "boolean"},
+            "tone": {"type": "string", "enum": ["bell", "beep"]},
+        },
+        "required": ["label", "hour", "tone"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _check_forced(fmt: str, out: Any) -> None:
+    """A forced call's output: it ended, parses with the format's parser, and validates."""
+    text = out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop", (fmt, text)
+    parameters = BOUNDED["parameters"]
+    result = make_parser(fmt, {"set_alarm"}, {"set_alarm": parameters}).parse(text)
+    assert len(result.tool_calls) == 1 and result.content == "", (fmt, text)
+    jsonschema.validate(json.loads(result.tool_calls[0].arguments), parameters)
+
+
 def test_a_random_model_forced_to_call_always_writes_calls_that_parse(llm, tmp_path: Path) -> None:
     """A tiny random model at temperature 1 is a random walk through each grammar: every
     sample ends, parses with the format's parser, and its arguments validate."""
     from tandem import SamplingParams
 
-    bounded = {  # values a random walk finishes: every string and number is bounded
-        "name": "set_alarm",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "label": {"type": "string", "maxLength": 6},
-                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-                "days": {"type": "array", "items": {"enum": ["mo", "tu"]}, "maxItems": 2},
-                "loud": {"type": "boolean"},
-                "tone": {"type": "string", "enum": ["bell", "beep"]},
-            },
-            "required": ["label", "hour", "tone"],
-            "additionalProperties": False,
-        },
-    }
+    bounded = BOUNDED
     forced = plan(False, funcs=[bounded])
     params = [
         SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured=forced.grammar(fmt))
@@ -316,9 +329,35 @@ def test_a_random_model_forced_to_call_always_writes_calls_that_parse(llm, tmp_p
     ]
     outs = llm.generate(["Set an alarm."] * len(params), params)
     for i, out in enumerate(outs):
-        fmt = FORMATS[i // 3]
-        text = out.outputs[0].text
-        assert out.outputs[0].finish_reason == "stop", (fmt, text)
-        result = make_parser(fmt, {"set_alarm"}, {"set_alarm": bounded["parameters"]}).parse(text)
-        assert len(result.tool_calls) == 1 and result.content == "", (fmt, text)
-        jsonschema.validate(json.loads(result.tool_calls[0].arguments), bounded["parameters"])
+        _check_forced(FORMATS[i // 3], out)
+
+
+def test_forced_calls_under_speculation_parse_and_equal_greedy_without(
+    llm, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same target with an MTP head (three drafts a step, verified against the masked
+    target): greedy forced calls equal those without speculation in every format, and sampled
+    ones parse and validate too."""
+    from server_utils import tiny_mtp_model
+    from tandem import LLM, SamplingParams
+
+    forced = plan(False, funcs=[BOUNDED])
+    greedy = [
+        SamplingParams(temperature=0, max_tokens=400, structured=forced.grammar(fmt))
+        for fmt in FORMATS
+    ]
+    sampled = [
+        SamplingParams(temperature=1.0, seed=11, max_tokens=400, structured=forced.grammar(fmt))
+        for fmt in FORMATS
+    ]
+    prompts = ["Set an alarm."] * len(FORMATS)
+    plain = llm.generate(prompts, greedy)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    mtp = str(tiny_mtp_model(tmp_path_factory))
+    with LLM(mtp, speculative_config=spec, max_model_len=512) as spec_llm:
+        outs = spec_llm.generate(prompts * 2, greedy + sampled)
+        assert spec_llm.engine.spec_stats.num_draft_tokens > 0
+    for fmt, base, out in zip(FORMATS, plain, outs, strict=False):
+        assert out.outputs[0].text == base.outputs[0].text, fmt
+    for i, out in enumerate(outs):
+        _check_forced(FORMATS[i % len(FORMATS)], out)
