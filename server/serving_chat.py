@@ -9,6 +9,7 @@ from typing import Any
 
 from tandem.engine.client import RequestGroup
 from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.sampling_params import SamplingParams
 from tandem.server.chat import ChatRenderer, ChatTemplateError, messages_for_template
 from tandem.server.errors import bad_request, unsupported
 from tandem.server.logprobs import chat_logprobs
@@ -27,6 +28,7 @@ from tandem.server.serving import (
     usage,
 )
 from tandem.server.state import ServerState
+from tandem.server.tool_formats import MARKERS
 from tandem.server.tool_parsers import ToolParser, ToolStream
 from tandem.server.tools import ToolPlan, call_format, calls_text, plan_tools, template_uses
 
@@ -157,6 +159,7 @@ class ChatHandler:
         self.prompt_ids = self.state.tokenizer.encode(text, add_special_tokens=False)
         self.reasoning = resolve_parser(self.state.settings.reasoning_parser, self._template())
         self.opened = self.reasoning is not None and self.reasoning.opens_in_prompt(text)
+        params = self._keep_markers(params)
         if params.structured is not None and self._thinks_first(text):
             # The grammar (response_format, forced calls) holds what follows the thinking.
             end = self.reasoning.end if self.reasoning else ""
@@ -172,6 +175,22 @@ class ChatHandler:
             return self.state.llm.add_requests(items)
         except Exception as e:
             raise engine_error_to_api(e, prompt_param="messages", param_names=_PARAM_NAMES) from e
+
+    def _keep_markers(self, params: SamplingParams) -> SamplingParams:
+        """The parsers read markers from the text: where the tokenizer holds one as a special
+        token (GLM's), decoding keeps special tokens, or the calls and the thinking would be lost
+        with them. A request that sets ``skip_special_tokens`` keeps its choice."""
+        if "skip_special_tokens" in self.req.model_fields_set:
+            return params
+        markers: set[str] = set()
+        if self.reasoning is not None:
+            markers |= {self.reasoning.start, self.reasoning.end}
+        if self.tools.parses:
+            markers |= set(MARKERS.get(self._call_format(), ()))
+        special = set(getattr(self.state.tokenizer, "all_special_tokens", ()))
+        if markers & special:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def _thinks_first(self, prompt: str) -> bool:
         """Whether the output may open with a thinking section: a reasoning parser is on and the

@@ -36,6 +36,15 @@ GLM_KEY, GLM_KEY_END = "<arg_key>", "</arg_key>"
 GLM_VALUE, GLM_VALUE_END = "<arg_value>", "</arg_value>"
 QWEN_FUNCTION, QWEN_FUNCTION_END = "<function=", "</function>"
 QWEN_PARAM, QWEN_PARAM_END = "<parameter=", "</parameter>"
+# The marker strings each format writes (a tokenizer may hold them as special tokens).
+MARKERS: dict[str, tuple[str, ...]] = {
+    "hermes": (HERMES_OPEN, HERMES_CLOSE),
+    "llama3_json": (PYTHON_TAG,),
+    "deepseek_v3": (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP),
+    "deepseek_v31": (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP),
+    "glm45": (HERMES_OPEN, HERMES_CLOSE, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END),
+    "qwen3_coder": (HERMES_OPEN, HERMES_CLOSE, QWEN_FUNCTION_END, QWEN_PARAM_END),
+}
 
 
 @dataclass(frozen=True)

@@ -628,3 +628,27 @@ def test_a_schema_after_the_thinking_is_exact_with_and_without_speculation(json_
     thinking, answer = texts[0].split("</think>")
     assert "{json}" in thinking
     jsonschema.validate(json.loads(answer), N_SCHEMA)
+
+
+def test_markers_a_tokenizer_holds_as_special_tokens_are_decoded() -> None:
+    """GLM's tokenizer holds ``</think>`` and ``<tool_call>`` as special tokens: decoding keeps
+    special tokens for a request whose parsers read them, unless the request chose."""
+    from tandem import SamplingParams
+    from tandem.server.serving_chat import ChatHandler
+
+    def keeps(special: list[str], **fields: Any) -> bool:
+        state = SimpleNamespace(
+            response_model_name=lambda name: "m",
+            tokenizer=SimpleNamespace(all_special_tokens=["<|endoftext|>", *special]),
+            settings=SimpleNamespace(tool_call_parser=None),
+            renderer=SimpleNamespace(source=QWEN3_TEMPLATE),
+        )
+        handler = ChatHandler(state, _chat(**fields))
+        handler.reasoning = resolve_parser("auto", QWEN3_TEMPLATE)
+        return not handler._keep_markers(SamplingParams()).skip_special_tokens
+
+    tools = {"tools": [TOOL]}
+    assert keeps(["</think>"]) and keeps(["<tool_call>"], **tools)
+    assert not keeps(["<tool_call>"])  # no tools: no call is read
+    assert not keeps([])  # plain text markers: the default stands
+    assert not keeps(["</think>"], skip_special_tokens=True)  # the request's own choice
