@@ -35,6 +35,7 @@ from tandem.engine.speculative.sampling import (
     chain_ancestors,
     count_tokens,
     exponential_noise,
+    repeat_rows,
     sample_rows,
     uniform_noise,
     widen_columns,
@@ -106,10 +107,12 @@ class SpecDecoder:
             return accept_matching(ids, layout.drafts, layout.num_drafts)
         logits = widen_columns(logits, k1)
         v = logits.shape[-1]
-        # Column j's penalties count the drafts before it as output.
-        valid, ancestors = chain_ancestors(layout.num_drafts, self.k)
-        drafts = torch.where(valid, layout.drafts, -1)
-        flat = with_path_counts(st, k1, drafts, ancestors)
+        if st.no_penalties:
+            flat = repeat_rows(st, k1)
+        else:  # column j's penalties count the drafts before it as output
+            valid, ancestors = chain_ancestors(layout.num_drafts, self.k)
+            drafts = torch.where(valid, layout.drafts, -1)
+            flat = with_path_counts(st, k1, drafts, ancestors)
         if meta.all_greedy:
             ids = cpu_decode.argmax(adjusted_logits(logits.reshape(b * k1, v), flat))
             return accept_matching(ids.view(b, k1), layout.drafts, layout.num_drafts)
@@ -292,12 +295,12 @@ class SpecDecoder:
         def emit(layer: int, picked_hidden: Tensor) -> None:
             nonlocal counts
             if self.lm_head_tp and not advanced:
-                counts = target_meta.all_rank_num_picked
-                if counts is None:
+                picked = target_meta.all_rank_num_picked
+                if picked is None:
                     raise RuntimeError("LM-head TP in ADP needs all_rank_num_picked")
                 weight = draft.lm_head_weight
                 normed = draft.final_norm(layer, picked_hidden).to(weight.dtype)
-                ids = adp_lm_head_tp_argmax(normed, weight, counts, self.mapping)
+                ids = adp_lm_head_tp_argmax(normed, weight, picked, self.mapping)
                 drafts.append(draft.to_target_ids(ids))
                 return
             # Advanced sampling (and no LM-head TP): the replicated head, locally.
