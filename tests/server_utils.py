@@ -75,7 +75,7 @@ class RemoteServer:
     process group; ``stop()`` ends it and anything it started. ``model`` None serves the built-in
     model (no MODEL argument). ``port`` replaces the free port. ``launcher`` replaces
     ``python -m tandem.cli`` (e.g. another venv's ``tandem``), ``cwd`` the checkout as the
-    working folder, ``env`` adds variables."""
+    working folder, ``env`` adds variables; ``max_model_len`` None leaves the model's own."""
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class RemoteServer:
         env: dict[str, str] | None = None,
         headless: bool = False,
         port: int | None = None,
+        max_model_len: int | None = MAX_MODEL_LEN,
     ) -> None:
         self.held: socket.socket | None = None
         if port is not None:
@@ -108,8 +109,7 @@ class RemoteServer:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
+            *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             *args,
         ]
         if api_key:

@@ -3,21 +3,24 @@ into the engine and server settings they mean; Hugging Face ids resolve from a h
 library's own layout) with HF_HUB_OFFLINE=1; --max-model-len defaults to the model's own length,
 a KV budget too small for one such request fails naming the longest length that fits, and
 `auto` takes it (with the draft look-ahead, from the block count the ranks agree on); dotted keys
-equal the JSON form; what Tandem cannot honour is refused by name. One real server runs a
-recipe's CPU line against a cached id and answers the official openai client."""
+equal the JSON form; what Tandem cannot honour is refused by name. The recipes' lines start as
+written against cached ids (DeepSeek-R1's and GLM-4.5's on 8 ranks, with tiny checkpoints of
+their architectures; Qwen3's CPU line) and answer the official openai client."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import shutil
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from checkpoints import add_mtp_layers, build_llama
+from checkpoints import add_mtp_layers, build_deepseek_v3, build_llama
 from tandem.cli import build_parser, main
 from tandem.engine.config import MAX_MODEL_LEN_AUTO, EngineArgs, parse_max_model_len
 from tandem.engine.engine_core import generation_defaults
@@ -224,6 +227,130 @@ def test_qwen3_cpu_recipe_line_serves_a_cached_id(model: Path, cache: Path) -> N
         )
         assert out.model == HUB_ID and out.usage is not None
         assert out.usage.completion_tokens == 4 or out.choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------ recipe lines, served
+# The R1 and GLM-4.5 lines start as written (8 ranks where they say --tensor-parallel-size 8),
+# each against a tiny checkpoint of its model's architecture, cached under the recipe's own id,
+# with the model's real chat template and the config values of the release that matter here
+# (R1: YaRN factor 40 over 4096 positions, 163840 in all; GLM-4.5: q/k norms, one expert group,
+# half-rotary heads, 8 KV heads that the 8 ranks split one each).
+
+R1_ID, GLM_ID = "deepseek-ai/DeepSeek-R1", "zai-org/GLM-4.5"
+R1_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def with_template(folder: Path, template: str) -> Path:
+    """``template`` as the folder's chat template (the file transformers reads first)."""
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def recipe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_glm4_moe import add_glm_mtp_layer, build_glm4_moe
+
+    root = tmp_path_factory.mktemp("recipes")
+    r1 = build_deepseek_v3(root / "r1", heads=8, rope=R1_YARN, max_position_embeddings=163840)
+    # R1's template since its 2025 revision opens the thinking in the generation prompt.
+    original = (TEMPLATES / "deepseek_r1.jinja").read_text()
+    opened = original.replace(
+        "{{'<｜Assistant｜>'}}{% endif %}", "{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+    )
+    assert opened.rstrip().endswith("<think>\\n'}}{% endif %}")
+    with_template(r1, opened)
+    glm = build_glm4_moe(
+        root / "glm", heads=8, kv_heads=8, use_qk_norm=True, n_group=1, topk_group=1, top_k=2
+    )
+    add_glm_mtp_layer(glm)
+    with_template(glm, (TEMPLATES / "glm45_excerpt.jinja").read_text())
+    fill_hub_cache(root / "hub", R1_ID, r1, COMMIT, "main")
+    fill_hub_cache(root / "hub", GLM_ID, glm, COMMIT, "main")
+    (root / "examples").mkdir()  # the R1 features line names vLLM's example template
+    shutil.copy(
+        TEMPLATES / "deepseek_r1.jinja", root / "examples" / "tool_chat_template_deepseekr1.jinja"
+    )
+    return root
+
+
+def served(line: str, model_id: str, cwd: Path) -> Any:
+    """``line`` as `tandem serve` with HF_HUB_OFFLINE=1 in ``cwd``, its id from the cache, and
+    nothing added (the model's own context length)."""
+    from server_utils import RemoteServer
+
+    argv = shlex.split(line.format(m=model_id))[2:]
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cwd / "hub")}
+    return RemoteServer(None, argv, env=env, cwd=cwd, max_model_len=None)
+
+
+def ask(server: Any, model_id: str, **extra: Any) -> Any:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [model_id]
+    out = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"min_tokens": 6},
+        **extra,
+    )
+    assert out.model == model_id and out.usage is not None
+    assert (out.usage.completion_tokens, out.choices[0].finish_reason) == (6, "length")
+    return out.choices[0].message
+
+
+def test_deepseek_r1_recipe_line_serves_on_8_ranks(recipe_cache: Path) -> None:
+    """The TP=8 line: the reasoning parser is chosen from the template (it opens <think>), so
+    the whole unfinished answer is thinking."""
+    with served(DEEPSEEK_R1, R1_ID, recipe_cache) as server:
+        message = ask(server, R1_ID)
+        assert "rank 0/8 joined" in Path(server.log.name).read_text()
+    extra = message.model_extra or {}
+    assert message.content is None and extra["reasoning_content"]
+    assert extra["reasoning"] == extra["reasoning_content"]
+
+
+def test_deepseek_r1_recipe_features_line_serves(recipe_cache: Path) -> None:
+    """The features line: vLLM's example template by its relative path (the first R1 template:
+    no <think> in the generation prompt, so output that does not open one is the answer) and
+    the deepseek_v3 tool-call parser, so a request with tools is served."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    with served(DEEPSEEK_R1_FEATURES, R1_ID, recipe_cache) as server:
+        message = ask(server, R1_ID, tools=[tool])
+    assert message.content and message.tool_calls is None
+    assert (message.model_extra or {}).get("reasoning_content") is None  # the parser is on
+
+
+@pytest.mark.parametrize("line", [GLM45, GLM45_MTP], ids=["tp8", "mtp"])
+def test_glm45_recipe_lines_serve(recipe_cache: Path, line: str) -> None:
+    with served(line, GLM_ID, recipe_cache) as server:
+        message = ask(server, GLM_ID)
+        log = Path(server.log.name).read_text()
+        metrics = httpx.get(server.url("/metrics")).text
+    assert isinstance(message.content, str) and message.content
+    if line == GLM45:
+        assert "rank 0/8 joined" in log
+    else:  # dotted --speculative-config keys: one MTP draft token in each step
+
+        def counter(name: str) -> float:
+            pattern = rf"^tandem:spec_decode_{name}_total(?:\{{[^}}]*\}})? (\S+)$"
+            found = re.search(pattern, metrics, re.M)
+            assert found is not None, metrics
+            return float(found.group(1))
+
+        assert counter("num_draft_tokens") == counter("num_drafts") >= 1
 
 
 # ------------------------------------------------------------------ dotted keys and spellings
