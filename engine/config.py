@@ -255,7 +255,9 @@ class CUDAGraphConfig:
             )
 
 
-SPEC_METHODS = ("eagle3", "mtp")
+SPEC_METHODS = ("eagle3", "mtp", "ngram")
+DRAFTLESS_METHODS = ("ngram",)  # drafts from the request's own text: no draft model
+NGRAM_DEFAULT_LOOKUP = 5  # prompt_lookup_min / _max when neither is given (as vLLM)
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_VOCABS = ("auto", "full")
 DRAFT_QUANTIZATIONS = ("none", "int8")
@@ -263,10 +265,15 @@ DRAFT_QUANTIZATIONS = ("none", "int8")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """One-model speculative decoding: a draft head proposes K tokens, the target verifies."""
+    """Speculative decoding: a draft head (or the request's own text) proposes K tokens, the
+    target verifies."""
 
     method: str
     num_speculative_tokens: int = 3
+    # method "ngram": the longest suffix of n tokens, n in [prompt_lookup_min,
+    # prompt_lookup_max], found earlier in the request's text proposes what followed it.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     model: str | None = None  # draft folder; for MTP default: the target checkpoint itself
     use_rejection_sampling: bool = True
     eagle3_layers_to_capture: tuple[int, ...] | None = None
@@ -323,6 +330,7 @@ class SpeculativeConfig:
             )
         if self.method == "eagle3" and self.mtp_mode != "eagle":
             raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
+        self._check_ngram()
         n = self.disable_by_batch_size
         if n is not None:
             _require(
@@ -370,6 +378,51 @@ class SpeculativeConfig:
                 layers,
                 "non-negative layer indices, for method 'eagle3'",
             )
+
+    def _check_ngram(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            if lo is not None or hi is not None:
+                raise ValueError(
+                    "speculative_config.prompt_lookup_min / prompt_lookup_max apply to method "
+                    "'ngram' only"
+                )
+            return
+        for key, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                _require(
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"speculative_config.{key}",
+                    value,
+                    "a positive integer",
+                )
+        lo = lo if lo is not None else hi if hi is not None else NGRAM_DEFAULT_LOOKUP
+        hi = hi if hi is not None else lo
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        # Keys that describe a draft model: refused rather than ignored.
+        given = {
+            "model": self.model is not None,
+            "mtp_mode": self.mtp_mode != "eagle",
+            "draft_dtype": self.draft_dtype != "auto",
+            "draft_quantization": self.draft_quantization != "none",
+            "disable_draft_row_pick": self.disable_draft_row_pick,
+            "topk": self.topk != 1,
+        }
+        wrong = [key for key, set_ in given.items() if set_]
+        if wrong:
+            raise ValueError(
+                f"speculative_config: {', '.join(wrong)} do not apply to method 'ngram' (it "
+                "has no draft model; topk > 1 draft trees need a draft head)"
+            )
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.method not in DRAFTLESS_METHODS
 
     def _check_tree(self) -> None:
         from tandem.engine.speculative.tree import check_tree_shape
@@ -428,7 +481,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
         if "method" not in d:
-            raise ValueError("speculative_config.method is required (eagle3 or mtp)")
+            raise ValueError(f"speculative_config.method is required (one of {SPEC_METHODS})")
         kw = dict(d)
         if kw.get("eagle3_layers_to_capture") is not None:
             kw["eagle3_layers_to_capture"] = tuple(kw["eagle3_layers_to_capture"])

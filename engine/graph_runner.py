@@ -146,7 +146,8 @@ class GraphRunner:
         if self.spec is None:
             return
         hidden = int(self.runner.model.config.hidden_size)
-        z("draft_hidden", (n, hidden), self.spec.draft.dtype)
+        draft = self.spec.draft  # None: drafts from the engine (n-gram), verification only
+        z("draft_hidden", (n, hidden), draft.dtype if draft is not None else torch.float32)
         z("next_tokens", (b,), i64)
         z("rows", (b, k1), i64)
         z("drafts", (b, self.k), i64)
@@ -173,7 +174,7 @@ class GraphRunner:
             z("ones", (b,), torch.float32)
             self.buffers["ones"].fill_(1.0)
             self.buffers["top_p"].fill_(1.0)
-            vocab = int(self.spec.draft.config.vocab_size)
+            vocab = int(self.runner.vocab_size)
             z("noise", (self.k, b, vocab), torch.float32)
             self.buffers["noise"].fill_(1.0)
 
@@ -367,7 +368,7 @@ class GraphRunner:
                 tree.capture(self.pool, self.use_cuda)
             for variant in self.variants():
                 draft = tree
-                if self.spec is not None and tree is None:
+                if self.spec is not None and tree is None and self.spec.draft is not None:
                     self._copy_layout(b, inp)
                     draft = Segment(self._draft_fn(b, variant))
                     draft.capture(self.pool, self.use_cuda)

@@ -16,6 +16,7 @@ from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from tandem.engine.structured_output import StepMasks, StructuredOutputManager, StructuredSpec
@@ -48,6 +49,16 @@ class LLMEngine:
         self.vanilla_mtp = sc is not None and sc.method == "mtp" and sc.mtp_mode == "vanilla"
         self.tree_drafts = sc is not None and sc.is_tree
         self.disable_spec_at = sc.disable_by_batch_size if sc is not None else None
+        # N-gram drafting: proposed here, from each request's own tokens, after the step's
+        # tokens are read (the ranks only verify).
+        self.ngram = (
+            NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
+            if sc is not None and sc.method == "ngram"
+            else None
+        )
+        # Captured steps have K drafts per request (GraphKey): with graphs, n-gram drafts shorter
+        # than K are padded (verified like any draft; at most one more forward row each).
+        self.pad_ngram = graph_mode(config.device, config.graph_config.enforce_eager) is not None
         pc = config.parallel_config
         # Attention DP: every rank owns its requests and KV cache, so one scheduler and block
         # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
@@ -179,6 +190,8 @@ class LLMEngine:
                 self.schedulers[rank].abort(rid)
             self.detok.pop(rid, None)
             self.structured.forget(rid)
+            if self.ngram is not None:
+                self.ngram.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.structured.pending) or any(s.has_unfinished() for s in self.schedulers)
@@ -333,7 +346,13 @@ class LLMEngine:
                     request.spec_max_depth = room
                     request.spec_parents = result.draft_parents[i] if drafts else []
                 else:
-                    drafts = result.draft_token_ids[i][: max(0, room)]
+                    if self.ngram is not None:
+                        k = min(room, self.num_spec_tokens) if propose else 0
+                        drafts = self.ngram.propose(rid, request.all_token_ids, k)
+                        if self.pad_ngram and k == self.num_spec_tokens:
+                            drafts = pad_drafts(drafts, request.all_token_ids[-1], k)
+                    else:
+                        drafts = result.draft_token_ids[i][: max(0, room)]
                     if drafts and self.structured.is_constrained(rid):
                         drafts = self._grammar_drafts(request, drafts)
                 request.spec_token_ids = drafts
@@ -341,6 +360,8 @@ class LLMEngine:
             if status is not None:
                 self.detok.pop(rid, None)
                 self.structured.forget(rid)
+                if self.ngram is not None:
+                    self.ngram.forget(rid)
         # Prefill chunks that sampled nothing this step.
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])

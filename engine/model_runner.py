@@ -90,8 +90,8 @@ class ModelRunner:
         """Every attention layer with the dtype of its KV cache: ``dtype`` for the target's, the
         head's own for a draft's (an Eagle3 head may run in another dtype)."""
         layers = [(a, dtype) for a in self.model.attention_layers()]
-        if self.spec is not None:
-            draft = self.spec.draft
+        draft = self.spec.draft if self.spec is not None else None
+        if draft is not None:
             layers += [(a, draft.dtype) for a in draft.attention_layers()]
         return layers
 
@@ -406,6 +406,7 @@ class ModelRunner:
                 # A min_tokens ban, a bias or a penalty is eager work too (the captured draft
                 # loop has none).
                 eager = replay is None or st.stop_ban is not None or st.adjusts_logits
+                eager = eager or spec.draft is None  # drafts from the engine: nothing to run
                 propose = spec.propose if eager else replay.propose
                 new_drafts = propose(*args)
             else:

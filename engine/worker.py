@@ -12,7 +12,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.speculative.decoder import SpecDecoder
+from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
@@ -177,7 +177,9 @@ class Worker:
         spec = None
         capture: tuple[int, ...] = ()
         sc = config.speculative_config
-        if sc is not None:
+        if sc is not None and not sc.has_draft_model:
+            spec = DraftlessDecoder(sc, self.mapping, config.cache_config.block_size)
+        elif sc is not None:
             draft = load_draft(sc, self.model, mc.model, mc.dtype, config.device, self.mapping)
             if sc.is_tree:
                 spec = TreeDecoder(
@@ -195,7 +197,7 @@ class Worker:
         # config says 2048 behind a target served at 8192.
         positions = mc.max_model_len + (sc.kv_lookahead if sc else 0)
         cover_positions(self.model, positions)
-        if spec is not None:
+        if spec is not None and spec.draft is not None:
             cover_positions(spec.draft, positions)
         int8 = sc is not None and sc.draft_quantization == "int8"
         reason: str | None = f"the device is {config.device.type}"
@@ -203,7 +205,7 @@ class Worker:
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
-                if spec is not None:
+                if spec is not None and spec.draft is not None:
                     if int8:
                         n = quantize_int8_(spec.draft.modules())
                         logger.info("draft head: %d matrices quantized to int8 rows", n)
@@ -215,7 +217,7 @@ class Worker:
                 logger.info("CPU decode fast path off: %s", reason)
             # bf16 weights the fast path does not serve: oneDNN's faster layout (no-op otherwise).
             pack_cpu_linears(self.model)
-            if spec is not None:
+            if spec is not None and spec.draft is not None:
                 pack_cpu_linears(spec.draft)
         if int8 and reason is not None:
             # int8 rows only pay where the fast path's products read them.
@@ -232,7 +234,7 @@ class Worker:
             capture,
             dp_rank=self.mapping.tp_rank if self.mapping.enable_attention_dp else 0,
         )
-        if spec is not None:
+        if spec is not None and spec.draft is not None:  # masked drafting in the draft loop
             self.runner.grammars = DraftGrammars(partial(grammar_compiler, config))
         gc = config.graph_config
         mode = graph_mode(config.device, gc.enforce_eager)

@@ -42,6 +42,8 @@ SPECS: dict[str, dict[str, Any] | None] = {
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
     # An MTP head drafting from every other token (its own LM head of the target's rows).
     "mtp-vocab": {"method": "mtp", "num_speculative_tokens": 3},
+    # Drafts from each request's own text, proposed by the engine for both ranks' requests.
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
 }
 
 
@@ -69,10 +71,12 @@ def _budget(name: str) -> dict[str, Any]:
     return CHUNKED
 
 
-def _run(llm: LLM) -> tuple[list[list[int]], list[Any], dict[str, int], int]:
+def _run(llm: LLM, keyed: bool = True) -> tuple[list[list[int]], list[Any], dict[str, int], int]:
     """Tokens and per-request acceptance by prompt, the DP rank of each request, and the number
     of steps in which rank 1 had nothing scheduled while rank 0 did. Under ADP every step's
-    ranks must have taken the same sampling path and graph key."""
+    ranks must have taken the same sampling path and graph key; ``keyed``: some decode-only
+    step had a key (n-gram steps on a CPU have none: their drafts are padded to K only where
+    graphs run)."""
     engine = llm.engine
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     requests = {
@@ -97,7 +101,7 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[Any], dict[str, int], int]:
             assert len(paths) == 2 and paths[0] == paths[1], paths
             keys.append(paths[0][1])
     if engine.dp_size > 1:  # decode-only steps pick a graph; steps with a prefill run eager
-        assert None in keys and any(k is not None for k in keys), keys
+        assert None in keys and any(k is not None for k in keys) == keyed, keys
     tokens = [final[rid].outputs[0].token_ids for rid in ids]
     # Acceptance per position, and every draft proposed after every step, per request.
     accepted = [
@@ -110,7 +114,8 @@ def _run(llm: LLM) -> tuple[list[list[int]], list[Any], dict[str, int], int]:
 @pytest.mark.timeout(300)
 def test_adp2_equals_single_rank(ckpts: tuple[Path, Path]) -> None:
     """ADP = 2 (and ADP = 2 with LM-head TP, whose greedy drafts exchange (max, index) pairs)
-    without speculation, with MTP-Eagle, vanilla MTP, Eagle3 and MTP with a draft vocabulary."""
+    without speculation, with MTP-Eagle, vanilla MTP, Eagle3, MTP with a draft vocabulary and
+    n-gram drafts."""
     target, draft = ckpts
     runs = [(name, False) for name in SPECS] + [("mtp", True), ("eagle3", True)]
     runs.append(("mtp-vocab", True))
@@ -138,7 +143,7 @@ def test_adp2_equals_single_rank(ckpts: tuple[Path, Path]) -> None:
             assert engine.executor.worker.runner.spec is None or (
                 engine.executor.worker.runner.spec.lm_head_tp == lm_head_tp
             )
-            tokens, accepted, ranks, idle = _run(llm)
+            tokens, accepted, ranks, idle = _run(llm, keyed=name != "ngram")
             stats = llm.engine.get_stats()
         assert tokens == ref_tokens, (name, lm_head_tp)
         assert [len(t) for t in tokens] == MAX_TOKENS

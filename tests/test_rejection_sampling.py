@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from checkpoints import build_eagle3_draft, build_llama
@@ -93,3 +94,50 @@ def test_penalised_positions_match_plain_sampling(models) -> None:
     assert rate > 0.2
     for j in range(2):
         assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # its n-grams recur: drafts after every first token
+
+
+def _ngram_histograms(target: Path, params: SamplingParams) -> tuple[list, float]:
+    with LLM(
+        str(target),
+        speculative_config=NGRAM,
+        max_num_seqs=1024,
+        max_model_len=32,
+        max_num_batched_tokens=4096,
+        seed=1,
+    ) as llm:
+        outs = llm.generate([REPEATING] * N, params)
+        rate = llm.engine.spec_stats.acceptance_rate
+    toks = np.array([o.outputs[0].token_ids for o in outs])
+    return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)], rate
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ngram_positions_match_plain_sampling(
+    models: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N-gram drafts are a point mass: accepted with probability p(d), else the token is drawn
+    from p without d. Positions 1 and 2 are distributed as without speculation at temperature
+    0.8; the same test rejects a rule that accepts every draft (power)."""
+    target, _ = models
+    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
+    with LLM(str(target), max_num_seqs=1024, max_model_len=32, max_num_batched_tokens=4096) as llm:
+        toks = np.array([o.outputs[0].token_ids for o in llm.generate([REPEATING] * N, params)])
+    plain = [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)]
+    specd, rate = _ngram_histograms(target, params)
+    assert 0.05 < rate < 0.95  # drafts are really accepted and rejected
+    for j in range(2):
+        assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
+
+    import tandem.engine.speculative.decoder as decoder
+
+    def accept_all(p, q, drafts, num_drafts, uniform, noise):  # noqa: ANN001, ANN202
+        return num_drafts, torch.cat([drafts, drafts[:, -1:]], dim=1)
+
+    monkeypatch.setattr(decoder, "rejection_sample", accept_all)
+    wrong, _ = _ngram_histograms(target, params)
+    assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6

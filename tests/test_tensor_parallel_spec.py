@@ -10,7 +10,7 @@ import pytest
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama, mtp_head_with_vocab
 from tandem import LLM, SamplingParams
 
-PROMPTS = [[5, 6, 7], list(range(40, 70)), [100, 101]]
+PROMPTS = [[5, 6, 7], list(range(40, 70)), [100, 101]]  # the random model's outputs repeat
 # Greedy; the second and third requests with penalties and a logit bias (each verified position
 # counts the drafts before it: the same on every rank).
 PARAMS = [
@@ -41,6 +41,7 @@ def test_tp_speculation_equals_single_rank(ckpts: tuple[Path, Path, Path]) -> No
         {"method": "mtp", "num_speculative_tokens": 3},
         {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3},
         {"method": "mtp", "model": str(vocab), "num_speculative_tokens": 3},
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     ]
     with LLM(str(target), dtype="float32") as llm:
         base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]

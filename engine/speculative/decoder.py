@@ -503,3 +503,45 @@ class SpecDecoder:
             all_rank_num_tokens=all_rank_num_rows,
             all_rank_num_picked=all_rank_num_rows,
         )
+
+
+class DraftlessDecoder(SpecDecoder):
+    """The ranks' side of speculation without a draft model: verification only (n-gram drafts,
+    engine/speculative/ngram.py, come with the step's tokens from the engine). No draft
+    layers, no draft KV cache, no draft loop."""
+
+    def __init__(self, config: Any, mapping: ParallelMapping, block_size: int) -> None:
+        super().__init__(None, config, mapping, block_size)  # type: ignore[arg-type]
+        self.lm_head_tp = False  # verification is the same on every path: nothing to sync
+
+    def write_prompt_kv(self, inp: Any, step_tokens: Tensor, draft_hidden: Tensor) -> None:
+        return None
+
+    def write_step_kv(
+        self,
+        inp: Any,
+        draft_hidden: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+    ) -> None:
+        return None
+
+    def propose(
+        self,
+        inp: Any,
+        input_ids: Tensor,
+        positions: Tensor,
+        target_meta: AttentionMetadata,
+        draft_hidden: Tensor,
+        next_tokens: Tensor,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        st: SamplingTensors,
+        meta: SpecMetadata,
+        request_ids: list[str],
+        draft_mask: DraftMask | None = None,
+    ) -> Tensor:
+        """No drafts from the ranks: [B, 0]."""
+        return tokens.new_empty((tokens.shape[0], 0))
