@@ -255,7 +255,7 @@ class CUDAGraphConfig:
             )
 
 
-SPEC_METHODS = ("eagle3", "mtp", "ngram")
+SPEC_METHODS = ("eagle3", "mtp", "ngram", "draft_model")
 DRAFTLESS_METHODS = ("ngram",)  # drafts from the request's own text: no draft model
 NGRAM_DEFAULT_LOOKUP = 5  # prompt_lookup_min / _max when neither is given (as vLLM)
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -303,6 +303,9 @@ class SpeculativeConfig:
     # then equals num_speculative_tokens, its default).
     topk: int = 1
     num_draft_tokens: int | None = None
+    # method "draft_model": the draft model's tensor-parallel size, 1 (replicated on every
+    # rank) or the target's (sharded like it); None: the target's.
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -331,6 +334,7 @@ class SpeculativeConfig:
         if self.method == "eagle3" and self.mtp_mode != "eagle":
             raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
         self._check_ngram()
+        self._check_draft_model()
         n = self.disable_by_batch_size
         if n is not None:
             _require(
@@ -418,6 +422,40 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: {', '.join(wrong)} do not apply to method 'ngram' (it "
                 "has no draft model; topk > 1 draft trees need a draft head)"
+            )
+
+    def _check_draft_model(self) -> None:
+        tp = self.draft_tensor_parallel_size
+        if self.method != "draft_model":
+            if tp is not None:
+                raise ValueError(
+                    "speculative_config.draft_tensor_parallel_size applies to method "
+                    "'draft_model' only"
+                )
+            return
+        if not self.model:
+            raise ValueError(
+                "speculative_config.model is required for method 'draft_model' (a folder or "
+                "Hugging Face id of a small model with the target's tokenizer)"
+            )
+        if tp is not None:
+            _require(
+                isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+                "speculative_config.draft_tensor_parallel_size",
+                tp,
+                "1 or the target's tensor_parallel_size",
+            )
+        given = {
+            "mtp_mode": self.mtp_mode != "eagle",
+            "draft_vocab": self.draft_vocab != "auto",
+            "draft_quantization": self.draft_quantization != "none",
+            "topk": self.topk != 1,
+        }
+        wrong = [key for key, set_ in given.items() if set_]
+        if wrong:
+            raise ValueError(
+                f"speculative_config: {', '.join(wrong)} do not apply to method 'draft_model' "
+                "(a chain of K drafts from the model's own vocabulary, the target's)"
             )
 
     @property

@@ -68,8 +68,11 @@ class LLMEngine:
         if self.dp_size > 1 or graph_mode(config.device, config.graph_config.enforce_eager):
             num_blocks -= num_dummy_blocks(cc.block_size, lookahead)
         # A draft head's KV in a block's last slots is computed from the tokens after it: one
-        # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them.
-        follow = 0 if sc is None else self.num_spec_tokens if self.vanilla_mtp else 1
+        # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them. N-gram
+        # drafting keeps no draft KV.
+        # A draft model's KV at a position depends on the tokens up to it only.
+        follow = 0 if sc is None or sc.method in ("ngram", "draft_model") else 1
+        follow = self.num_spec_tokens if self.vanilla_mtp else follow
         self.block_managers = [
             BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, follow)
             for _ in range(self.dp_size)
