@@ -263,12 +263,41 @@ DRAFT_VOCABS = ("auto", "full")
 DRAFT_QUANTIZATIONS = ("none", "int8")
 
 
+def parse_draft_len_schedule(schedule: dict[Any, Any]) -> tuple[tuple[int, int], ...]:
+    """{"1": 5, "4": 3, "32": 0} -> ((1, 5), (4, 3), (32, 0)); keys are batch sizes >= 1 (one
+    of them 1), values K in [0, 16], at least one of them > 0."""
+    name = "speculative_config.num_speculative_tokens"
+    pairs = []
+    for key, value in schedule.items():
+        try:
+            size = int(key)
+        except (TypeError, ValueError):
+            size = 0
+        if size < 1 or str(size) != str(key).strip():
+            raise ValueError(f"{name}: schedule key {key!r} is not a batch size (an integer >= 1)")
+        _require(
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 16,
+            f"{name}[{key!r}]",
+            value,
+            "an integer in [0, 16]",
+        )
+        pairs.append((size, value))
+    pairs.sort()
+    if not pairs or pairs[0][0] != 1:
+        raise ValueError(f'{name}: a schedule needs a value for batch size 1 (key "1")')
+    if max(v for _, v in pairs) < 1:
+        raise ValueError(f"{name}: a schedule whose every value is 0 never speculates")
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a draft head (or the request's own text) proposes K tokens, the
     target verifies."""
 
     method: str
+    # K, or a schedule by batch size ({"1": 5, "4": 3, "16": 1, "32": 0}: a step of B requests
+    # drafts the value of the largest key <= B; 0 proposes nothing); K is then its largest value.
     num_speculative_tokens: int = 3
     # method "ngram": the longest suffix of n tokens, n in [prompt_lookup_min,
     # prompt_lookup_max], found earlier in the request's text proposes what followed it.
@@ -306,6 +335,9 @@ class SpeculativeConfig:
     # method "draft_model": the draft model's tensor-parallel size, 1 (replicated on every
     # rank) or the target's (sharded like it); None: the target's.
     draft_tensor_parallel_size: int | None = None
+    # The schedule as ((batch size, K), ...) ascending, from a dict num_speculative_tokens; ()
+    # for a fixed K.
+    draft_len_schedule: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _require(
@@ -314,6 +346,10 @@ class SpeculativeConfig:
             self.method,
             f"one of {SPEC_METHODS}",
         )
+        if isinstance(self.num_speculative_tokens, dict):
+            schedule = parse_draft_len_schedule(self.num_speculative_tokens)
+            object.__setattr__(self, "draft_len_schedule", schedule)
+            object.__setattr__(self, "num_speculative_tokens", max(v for _, v in schedule))
         k = self.num_speculative_tokens
         _require(
             isinstance(k, int) and 1 <= k <= 16,
@@ -335,6 +371,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
         self._check_ngram()
         self._check_draft_model()
+        self._check_schedule()
         n = self.disable_by_batch_size
         if n is not None:
             _require(
@@ -458,6 +495,33 @@ class SpeculativeConfig:
                 "(a chain of K drafts from the model's own vocabulary, the target's)"
             )
 
+    def _check_schedule(self) -> None:
+        if not self.draft_len_schedule:
+            return
+        if self.mtp_mode == "vanilla":
+            raise ValueError(
+                "speculative_config: a num_speculative_tokens schedule does not support mtp_mode "
+                "'vanilla' (each of its K layers writes KV for every step)"
+            )
+        if self.topk != 1:
+            raise ValueError(
+                "speculative_config: a num_speculative_tokens schedule applies to chains "
+                "(topk 1); a draft tree's shape is fixed"
+            )
+        if self.disable_by_batch_size is not None:
+            raise ValueError(
+                "speculative_config: give either a num_speculative_tokens schedule or "
+                "disable_by_batch_size (a 0 in the schedule pauses speculation)"
+            )
+
+    def draft_len(self, batch_size: int) -> int:
+        """The K a step of ``batch_size`` requests drafts (the schedule's, else the fixed K)."""
+        k = self.num_speculative_tokens
+        for at_least, value in self.draft_len_schedule:
+            if batch_size >= at_least:
+                k = value
+        return k
+
     @property
     def has_draft_model(self) -> bool:
         return self.method not in DRAFTLESS_METHODS
@@ -514,7 +578,7 @@ class SpeculativeConfig:
             return d
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"draft_len_schedule"}
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")

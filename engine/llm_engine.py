@@ -86,6 +86,7 @@ class LLMEngine:
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.spec_stats = SpecStats()
+        self.steps_by_draft_len: dict[int, int] = {}  # see EngineStats.spec_steps_by_draft_len
         self.constrained_drafts = self.constrained_accepted = 0  # grammar-constrained requests
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -275,12 +276,18 @@ class LLMEngine:
                 self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
             return []
         # Speculation pauses while the step runs at least disable_by_batch_size requests (all
-        # ranks): their drafts cost more than they save once the step is compute-bound.
-        propose = self.disable_spec_at is None or len(scheduled) < self.disable_spec_at
+        # ranks), or drafts the schedule's K for this many: drafts cost more than they save
+        # once the step is compute-bound.
+        k_step = self.draft_len(len(scheduled))
+        if self.num_spec_tokens:
+            self.steps_by_draft_len[k_step] = self.steps_by_draft_len.get(k_step, 0) + 1
+        propose = k_step > 0 or not self.num_spec_tokens
         inputs = [
             self._step_input(sched.scheduled, sched.finished_request_ids, propose, masks.masks)
             for sched in scheds
         ]
+        for inp in inputs:
+            inp.num_draft_steps = k_step if 0 < k_step < self.num_spec_tokens else None
         self._send_grammars(inputs)
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
@@ -350,12 +357,12 @@ class LLMEngine:
                     request.spec_parents = result.draft_parents[i] if drafts else []
                 else:
                     if self.ngram is not None:
-                        k = min(room, self.num_spec_tokens) if propose else 0
+                        k = min(room, k_step)
                         drafts = self.ngram.propose(rid, request.all_token_ids, k)
                         if self.pad_ngram and k == self.num_spec_tokens:
                             drafts = pad_drafts(drafts, request.all_token_ids[-1], k)
                     else:
-                        drafts = result.draft_token_ids[i][: max(0, room)]
+                        drafts = result.draft_token_ids[i][: max(0, min(room, k_step))]
                     if drafts and self.structured.is_constrained(rid):
                         drafts = self._grammar_drafts(request, drafts)
                 request.spec_token_ids = drafts
@@ -369,6 +376,16 @@ class LLMEngine:
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])
         return outputs
+
+    def draft_len(self, batch_size: int) -> int:
+        """Drafts a step of ``batch_size`` requests (every rank's) proposes: 0 past
+        disable_by_batch_size, else the schedule's K (the fixed K without one)."""
+        sc = self.config.speculative_config
+        if sc is None:
+            return 0
+        if self.disable_spec_at is not None and batch_size >= self.disable_spec_at:
+            return 0
+        return sc.draft_len(batch_size)
 
     def _send_grammars(self, inputs: list[StepInput]) -> None:
         """Every rank gets the grammars that arrived since the last step, to compile them off
@@ -517,6 +534,8 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            spec_method=sc.method if (sc := self.config.speculative_config) else "",
+            spec_steps_by_draft_len=dict(self.steps_by_draft_len),
             spec_constrained_draft_tokens=self.constrained_drafts,
             spec_constrained_accepted_tokens=self.constrained_accepted,
             # None until a constrained request came (the snapshot travels with every step).

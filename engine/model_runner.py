@@ -7,6 +7,7 @@ per-request random generators, and it receives plain, picklable step description
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -193,7 +194,7 @@ class ModelRunner:
         masked = self.grammars is not None and any(
             r.token_bitmask is not None for s in steps for r in s.requests
         )
-        if not own.propose_drafts or masked:
+        if not own.propose_drafts or masked or own.num_draft_steps is not None:
             # Paused speculation, or masked drafting somewhere (host reads inside the draft
             # loop): every rank runs eagerly (every rank knows every entry, so all agree).
             plan = GraphPlan(None, 0)
@@ -234,6 +235,7 @@ class ModelRunner:
             or self.graphs is None
             or not step.requests
             or not step.propose_drafts  # paused speculation runs eagerly
+            or step.num_draft_steps is not None  # as do scheduled K below the captured K
         ):
             return self.execute(step)
         _, plan = self.plan_graph(step.requests)
@@ -249,7 +251,7 @@ class ModelRunner:
         if n <= 0:
             return step
         dummies = [self.dummy_step(len(step.requests) + i) for i in range(n)]
-        return StepInput([*step.requests, *dummies], step.finished_request_ids, step.propose_drafts)
+        return dataclasses.replace(step, requests=[*step.requests, *dummies])
 
     @torch.inference_mode()
     def execute(
@@ -283,7 +285,9 @@ class ModelRunner:
                 inp.input_ids, positions, meta, capture_layers=self.capture_layers
             )
         if self.spec is not None:
-            return self._execute_spec(inp, hidden, captured, scanned, replay, step.propose_drafts)
+            return self._execute_spec(
+                inp, hidden, captured, scanned, replay, step.propose_drafts, step.num_draft_steps
+            )
         if not inp.sampled:
             return StepOutput([], [], [])
         # sample() widens to float32 itself where it needs to (not for plain greedy rows).
@@ -359,6 +363,7 @@ class ModelRunner:
         scanned: bool = False,
         replay: StepReplay | None = None,
         propose_drafts: bool = True,
+        num_draft_steps: int | None = None,
     ) -> StepOutput:
         spec = self.spec
         assert spec is not None
@@ -407,13 +412,15 @@ class ModelRunner:
                 # loop has none).
                 eager = replay is None or st.stop_ban is not None or st.adjusts_logits
                 eager = eager or spec.draft is None  # drafts from the engine: nothing to run
-                propose = spec.propose if eager else replay.propose
-                new_drafts = propose(*args)
+                if eager:
+                    new_drafts = spec.propose(*args, steps=num_draft_steps)
+                else:
+                    new_drafts = replay.propose(*args)
             else:
                 # Masked drafting (structured output): the hook reads tensors on the host, so
                 # the draft loop runs eagerly even after a replayed target forward.
                 try:
-                    new_drafts = spec.propose(*args, draft_mask=masker)
+                    new_drafts = spec.propose(*args, draft_mask=masker, steps=num_draft_steps)
                 finally:
                     masker.close()
         n_new = new_drafts.shape[1]

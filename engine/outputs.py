@@ -46,6 +46,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_method: str = ""  # the speculative_config's method ("": no speculation)
+    # Engine steps by the number of drafts they proposed per request (the K a schedule gave the
+    # step's batch size; 0: paused), whatever the room left cut.
+    spec_steps_by_draft_len: dict[int, int] = field(default_factory=dict)
     # The same two counts for grammar-constrained requests only (their acceptance rate).
     spec_constrained_draft_tokens: int = 0
     spec_constrained_accepted_tokens: int = 0

@@ -7,6 +7,7 @@ under attention DP), its result (``StepOutput``), the tensors a prepared step ho
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,6 +62,8 @@ class StepInput:
     # Speculation: False when the step is too large to speculate for (``disable_by_batch_size``):
     # it verifies the drafts it carries and proposes none (the draft layers still write KV).
     propose_drafts: bool = True
+    # Draft steps this step runs (``num_speculative_tokens`` schedule; None: K).
+    num_draft_steps: int | None = None
     # Masked drafting: the grammars of constrained requests that arrived since the last step,
     # for the ranks to compile off the step (the engine schedules them once it compiled its own).
     grammars: list[StructuredSpec] = field(default_factory=list)
@@ -111,7 +114,7 @@ def adp_pad_steps(steps: list[StepInput], dummy: RequestStep) -> list[StepInput]
     return [
         s
         if any(r.sample for r in s.requests)
-        else StepInput([*s.requests, dummy], s.finished_request_ids, s.propose_drafts)
+        else dataclasses.replace(s, requests=[*s.requests, dummy])
         for s in steps
     ]
 

@@ -62,9 +62,15 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
 class _EngineStatsCollector(Collector):
     """Engine series from each replica's latest stats snapshot (None: not started yet)."""
 
-    def __init__(self, model_name: str, source: Callable[[], Sequence[EngineStats | None]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        source: Callable[[], Sequence[EngineStats | None]],
+        spec_method: str | None = None,
+    ) -> None:
         self.model_name = model_name
         self.source = source
+        self.spec_method = spec_method  # the vllm: series exist from the start with it
 
     def collect(self) -> Iterator[Metric]:
         replicas = list(self.source())
@@ -88,6 +94,17 @@ class _EngineStatsCollector(Collector):
             for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
                 per_pos.add_metric([*values(i), str(pos)], float(count))
         yield per_pos
+        by_len = CounterMetricFamily(
+            PREFIX + "spec_decode_steps_by_draft_len",
+            "Engine steps by the drafts they proposed per request (the num_speculative_tokens "
+            "schedule's K for the step's batch size; 0: speculation paused).",
+            labels=[*labels, "draft_len"],
+        )
+        for i, stats in enumerate(replicas):
+            for k, count in sorted((stats.spec_steps_by_draft_len if stats else {}).items()):
+                by_len.add_metric([*values(i), str(k)], float(count))
+        yield by_len
+        yield from self._vllm_spec_series(replicas, labels, values)
         for name, doc, field in _ENGINE_HISTOGRAMS:
             family = HistogramMetricFamily(PREFIX + name, doc, labels=labels)
             for i, stats in enumerate(replicas):
@@ -97,6 +114,48 @@ class _EngineStatsCollector(Collector):
                 family.add_metric(values(i), _buckets(hist), hist.total)
             yield family
 
+    def _vllm_spec_series(
+        self,
+        replicas: list[EngineStats | None],
+        labels: list[str],
+        values: Callable[[int], list[str]],
+    ) -> Iterator[Metric]:
+        """The speculation counters under the names dashboards built for vLLM read
+        (``vllm:spec_decode_*``), labelled by method; none without speculation."""
+        method = self.spec_method or next(
+            (s.spec_method for s in replicas if s is not None and s.spec_method), None
+        )
+        if not method:
+            return
+        names = [*labels, "method"]
+        for name, doc, field in _VLLM_SPEC_COUNTERS:
+            family = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=names)
+            for i, stats in enumerate(replicas):
+                value = float(getattr(stats, field)) if stats is not None else 0.0
+                family.add_metric([*values(i), method], value)
+            yield family
+        per_pos = CounterMetricFamily(
+            VLLM_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft).",
+            labels=[*names, "position"],
+        )
+        for i, stats in enumerate(replicas):
+            for pos, count in enumerate(stats.spec_accepted_per_pos if stats else []):
+                per_pos.add_metric([*values(i), method, str(pos)], float(count))
+        yield per_pos
+
+
+# vLLM's names for the speculation counters: (name, help, EngineStats field).
+VLLM_PREFIX = "vllm:"
+_VLLM_SPEC_COUNTERS = (
+    ("spec_decode_num_drafts", "Verification steps that had drafts.", "spec_num_drafts"),
+    (
+        "spec_decode_num_draft_tokens",
+        "Draft tokens proposed and verified.",
+        "spec_num_draft_tokens",
+    ),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+)
 
 # (name, help, EngineStats field holding a cumulative histogram)
 _ENGINE_HISTOGRAMS = (
@@ -120,6 +179,7 @@ class ServerMetrics:
         model_name: str,
         stats_source: Callable[[], Sequence[EngineStats | None]],
         in_flight_source: Callable[[], int] | None = None,
+        spec_method: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -142,7 +202,7 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self._success.labels(model_name, reason)
-        self.registry.register(_EngineStatsCollector(model_name, stats_source))
+        self.registry.register(_EngineStatsCollector(model_name, stats_source, spec_method))
         if in_flight_source is not None:
             Gauge(
                 PREFIX + "num_requests_in_flight",

@@ -61,8 +61,12 @@ class ServerState:
         self.model_names = list(self.listed_model_names)
         if not names and engine_args.model not in self.model_names:
             self.model_names.append(engine_args.model)
+        spec = engine_args.speculative_config
         self.metrics = ServerMetrics(
-            self.model_names[0], lambda: self.llm.replica_stats, lambda: self.llm.num_in_flight
+            self.model_names[0],
+            lambda: self.llm.replica_stats,
+            lambda: self.llm.num_in_flight,
+            spec_method=spec.get("method") if isinstance(spec, dict) else None,
         )
         # One AsyncLLM, or a ReplicatedLLM with the same interface under -dp N.
         self.llm: EngineClient = make_engine_client(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import openai
 import pytest
@@ -19,9 +20,13 @@ def model_dir(tmp_path_factory):
     return tiny_mtp_model(tmp_path_factory)
 
 
+# K by batch size: 3 for one request, 2 from 4, none from 8 (the most a step runs here).
+SCHEDULE = {"1": 3, "4": 2, "8": 0}
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": SCHEDULE})
     with RemoteServer(model_dir, ["--speculative-config", spec, "--max-num-seqs", "8"]) as s:
         yield s
 
@@ -44,16 +49,63 @@ def test_greedy_text_and_spec_usage(server, model_dir):
     assert 1 <= usage["num_drafts"] <= usage["num_draft_tokens"] <= 3 * usage["num_drafts"]
     assert resp.usage.completion_tokens == 24
     after = scrape_metrics(server)
-    for name, key in (
-        ("tandem:spec_decode_num_drafts_total", "num_drafts"),
-        ("tandem:spec_decode_num_draft_tokens_total", "num_draft_tokens"),
-        ("tandem:spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
-    ):
+    model = model_dir.name
+    for prefix, labels in (("tandem:", {}), ("vllm:", {"method": "mtp"})):  # vLLM's names too
+        for name, key in (
+            ("spec_decode_num_drafts_total", "num_drafts"),
+            ("spec_decode_num_draft_tokens_total", "num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens"),
+        ):
+            name = prefix + name
+            assert (
+                metric(after, name, model_name=model, **labels)
+                - metric(before, name, model_name=model, **labels)
+                == usage[key]
+            )
+        name = prefix + "spec_decode_num_accepted_tokens_per_pos_total"
+        per_pos = [
+            _or_zero(after, name, model_name=model, position=str(p), **labels)
+            - _or_zero(before, name, model_name=model, position=str(p), **labels)
+            for p in range(3)
+        ]
+        assert sum(per_pos) == usage["num_accepted_tokens"]
+
+
+def _or_zero(samples: dict, name: str, **labels: str) -> float:
+    """A series that appears with its first count reads 0 before."""
+    try:
+        return metric(samples, name, **labels)
+    except KeyError:
+        return 0.0
+
+
+def test_schedule_gives_each_load_its_k(server, model_dir):
+    """1, 4 and 8+ concurrent streams: most steps of each load draft the schedule's K for it
+    (ramps between loads run other batch sizes), read from the metrics."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
+    name = "tandem:spec_decode_steps_by_draft_len_total"
+
+    def steps(samples: dict) -> dict[int, float]:
         model = model_dir.name
-        assert (
-            metric(after, name, model_name=model) - metric(before, name, model_name=model)
-            == usage[key]
-        )
+        return {k: _or_zero(samples, name, model_name=model, draft_len=str(k)) for k in (0, 2, 3)}
+
+    def one(i: int, start: threading.Barrier) -> None:
+        start.wait()  # all streams at once
+        client.completions.create(
+            model=model_dir.name, prompt=f"{PROMPT} {i}", max_tokens=160, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    for streams, want in ((1, 3), (4, 2), (16, 0)):
+        before = steps(scrape_metrics(server))
+        start = threading.Barrier(streams)
+        with ThreadPoolExecutor(streams) as pool:
+            list(pool.map(one, range(streams), [start] * streams))
+        after = steps(scrape_metrics(server))
+        delta = {k: after[k] - before[k] for k in after}
+        assert max(delta, key=delta.__getitem__) == want, (streams, delta)
 
 
 def test_streaming_under_speculation(server, model_dir):

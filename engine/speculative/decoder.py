@@ -133,9 +133,10 @@ class SpecDecoder:
         lossless whatever produced d. So a missing q fails closed."""
         q = F.one_hot(drafts, vocab).to(torch.float32)
         for i, rid in enumerate(request_ids):
-            stored = self.draft_q.get(rid)
-            if stored is not None and stored.shape == (self.k, vocab):
-                q[i] = stored
+            stored = self.draft_q.get(rid)  # [steps, V]: a scheduled step may draft fewer than K
+            if stored is not None and stored.dim() == 2 and stored.shape[1] == vocab:
+                n = min(stored.shape[0], self.k)
+                q[i, :n] = stored[:n]
         return q
 
     # ------------------------------------------------------------------ draft loop
@@ -197,9 +198,10 @@ class SpecDecoder:
         meta: SpecMetadata,
         request_ids: list[str],
         draft_mask: DraftMask | None = None,
+        steps: int | None = None,
     ) -> Tensor:
-        """Run the K draft steps; returns [B, K] draft tokens (target vocabulary).
-        ``draft_mask``: see ``draft_loop``."""
+        """Run the draft steps (``steps``, None: K); returns [B, steps] draft tokens (target
+        vocabulary). ``draft_mask``: see ``draft_loop``."""
         new_drafts, q_all = self.draft_loop(
             inp,
             input_ids,
@@ -213,6 +215,7 @@ class SpecDecoder:
             st,
             meta,
             draft_mask=draft_mask,
+            steps=steps,
         )
         self.keep_q(request_ids, q_all)
         return new_drafts
@@ -251,10 +254,12 @@ class SpecDecoder:
         meta: SpecMetadata,
         draft_noise: Tensor | None = None,
         draft_mask: DraftMask | None = None,
+        steps: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """The K draft steps as tensor work only (no host reads, no per-request state): returns
-        (drafts [B, K], q [B, K, V] when drafts were sampled, else None). ``draft_noise``:
-        [K, B, V] pre-drawn sampling noise (``draw_draft_noise``); None draws it step by step.
+        """The draft steps (``steps``, None: K) as tensor work only (no host reads, no
+        per-request state): returns (drafts [B, steps], q [B, steps, V] when drafts were
+        sampled, else None). ``draft_noise``: [K, B, V] pre-drawn sampling noise
+        (``draw_draft_noise``); None draws it step by step.
 
         ``draft_mask`` (structured output; engine/speculative/draft_grammar.py): called before
         each draft position j with the drafts so far, it returns the [B, W] grammar bitmask of
@@ -265,6 +270,7 @@ class SpecDecoder:
         is a collective over every rank's rows): those drafts are unmasked, and the engine cuts
         them at the first one the grammar forbids."""
         draft = self.draft
+        k = self.k if steps is None else steps
         # Step 0 runs on every row: each row's input token is the one after it. Rows are shifted
         # by one; each request's last row takes ``next_tokens`` (the next prompt token for a
         # chunk that stops mid-prompt), and the row of its last accepted token takes the
@@ -344,15 +350,15 @@ class SpecDecoder:
             chain = None
             plain = st is None or (st.stop_ban is None and not st.adjusts_logits)
             fast = self.fast_chain and draft_mask is None and plain
-            if fast and self.k > 1 and not advanced and not self.lm_head_tp:
+            if fast and k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
             if chain is not None and target_meta.all_rank_num_picked is None:
-                # Steps 1 .. K - 1 in one CPU fast-path call (None: it does not apply).
-                rest = chain(hidden, drafts[-1], pos, layout.block_tables, self.k - 1)
+                # Steps 1 .. k - 1 in one CPU fast-path call (None: it does not apply).
+                rest = chain(hidden, drafts[-1], pos, layout.block_tables, k - 1)
             if rest is not None:
                 drafts.extend(rest.unbind(1))
-            for _ in range(1, self.k if rest is None else 1):
+            for _ in range(1, k if rest is None else 1):
                 pos = pos + 1
                 row_meta = self._single_row_meta(layout, pos, target_meta.all_rank_num_picked)
                 hidden = draft(0, pos, drafts[-1], hidden, row_meta)
@@ -542,6 +548,7 @@ class DraftlessDecoder(SpecDecoder):
         meta: SpecMetadata,
         request_ids: list[str],
         draft_mask: DraftMask | None = None,
+        steps: int | None = None,
     ) -> Tensor:
         """No drafts from the ranks: [B, 0]."""
         return tokens.new_empty((tokens.shape[0], 0))

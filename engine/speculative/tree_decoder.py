@@ -346,8 +346,10 @@ class TreeDecoder(SpecDecoder):
         meta: SpecMetadata,
         request_ids: list[str],
         draft_mask: DraftMasker | None = None,
+        steps: int | None = None,
     ) -> Tensor:
-        """Draft every sampled request's next tree; returns its tokens [B, N] (target
+        """``steps``: None (a tree's shape is fixed; the configuration refuses schedules).
+        Draft every sampled request's next tree; returns its tokens [B, N] (target
         vocabulary, tree order) and keeps its shape for the next step's verification.
         ``draft_mask`` (structured output): each node's children are the top-k tokens its
         grammar allows after the node's path."""

@@ -1,0 +1,138 @@
+"""Draft length by batch size (issue #46, item 4): a ``num_speculative_tokens`` schedule gives
+each step the K of its batch size (0 pauses speculation), the draft loop runs only that many
+steps, greedy output equals plain decoding as the batch shrinks, and attention-DP ranks follow
+one decision. The HTTP side (the K at 1, 4 and 16 streams, from /metrics):
+tests/test_server_speculative.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
+from tandem import LLM, SamplingParams
+from tandem.engine.config import SpeculativeConfig
+
+PROMPTS = [[5, 6, 7, 5, 6, 7], list(range(40, 60)), [100, 101, 100], [9, 8]]
+# Requests end one after another: steps run 4, 3, 2, then 1 request.
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 28, 16, 8)]
+SCHEDULE = {"1": 4, "2": 3, "3": 1, "4": 0}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("schedule")
+    target = build_llama(root / "t", layers=2, heads=4, kv_heads=2)
+    add_mtp_layers(target, 1)
+    return {"target": target, "eagle3": build_eagle3_draft(root / "e", target)}
+
+
+@pytest.fixture(scope="module")
+def baseline(models: dict[str, Path]) -> list[list[int]]:
+    with LLM(str(models["target"])) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def spec(models: dict[str, Path], method: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": method, "num_speculative_tokens": SCHEDULE}
+    if method == "eagle3":
+        out["model"] = str(models["eagle3"])
+    if method == "ngram":
+        out["prompt_lookup_min"] = 1
+    return out
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+    """(each prompt's tokens, per step: its batch size and every request's new drafts)."""
+    engine = llm.engine
+    reqs = [engine.add_request(f"r{i}", p, PARAMS[i]) for i, p in enumerate(PROMPTS)]
+    steps = []
+    while engine.has_unfinished_requests():
+        ran = engine.step()
+        steps.append((len(ran), [len(reqs[int(o.request_id[1:])].spec_token_ids) for o in ran]))
+    return [r.output_token_ids for r in reqs], steps
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "ngram"])
+def test_each_batch_size_drafts_its_k(
+    models: dict[str, Path], baseline: list[list[int]], method: str
+) -> None:
+    config = SpeculativeConfig.from_dict(spec(models, method))
+    assert config is not None
+    with LLM(str(models["target"]), speculative_config=spec(models, method)) as llm:
+        tokens, steps = run(llm)
+        by_len = llm.engine.get_stats().spec_steps_by_draft_len
+        runner = llm.engine.executor.worker.runner
+    assert tokens == baseline
+    seen = set()
+    for batch, drafts in steps:
+        k = config.draft_len(batch)
+        assert all(n <= k for n in drafts), (batch, drafts)
+        if method != "ngram" and k:  # a head drafts K unless the room left is less
+            assert max(drafts) == k or batch == 1, (batch, drafts)
+        seen.add(k)
+    assert seen == {0, 1, 3, 4}
+    assert sum(by_len.values()) == len(steps) and set(by_len) == seen
+    if runner.spec.draft is not None:  # the stored q of the last drafts: as many rows as drafts
+        assert all(q.shape[0] <= 4 for q in runner.spec.draft_q.values())
+
+
+def test_sampled_requests_keep_their_q_per_step(models: dict[str, Path]) -> None:
+    """Rejection sampling reads q of as many drafts as the step drew (fewer than K at larger
+    batches): a seeded sampled run is reproducible and its stats count what was verified."""
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=p.max_tokens) for i, p in
+              enumerate(PARAMS)]  # fmt: skip
+    outs = []
+    for _ in range(2):
+        with LLM(str(models["target"]), speculative_config=spec(models, "mtp")) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+            stats = llm.engine.spec_stats
+            assert 0 < stats.num_draft_tokens <= 4 * stats.num_drafts
+    assert outs[0] == outs[1]
+
+
+def test_attention_dp_ranks_follow_one_schedule(
+    models: dict[str, Path], baseline: list[list[int]]
+) -> None:
+    with LLM(
+        str(models["target"]),
+        speculative_config=spec(models, "mtp"),
+        tensor_parallel_size=2,
+        enable_attention_dp=True,
+    ) as llm:
+        tokens, steps = run(llm)
+        paths = llm.engine.last_rank_paths
+    assert tokens == baseline
+    assert any(n for _, drafts in steps for n in drafts)
+    assert len(paths) == 2 and paths[0] == paths[1]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra", "message"),
+    [
+        ({"2": 3}, {}, 'needs a value for batch size 1 \\(key "1"\\)'),
+        ({"1": 0, "4": 0}, {}, "never speculates"),
+        ({"1": 3, "x": 1}, {}, "'x' is not a batch size"),
+        ({"1": 17}, {}, r"\['1'\]=17 is invalid"),
+        ({"1": 3}, {"disable_by_batch_size": 4}, "either a num_speculative_tokens schedule"),
+        ({"1": 3}, {"mtp_mode": "vanilla"}, "does not support mtp_mode 'vanilla'"),
+        ({"1": 3}, {"topk": 2, "num_draft_tokens": 4}, "applies to chains"),
+    ],
+)
+def test_bad_schedules_are_refused(schedule: dict, extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": schedule, **extra})
+
+
+def test_schedule_lookup() -> None:
+    config = SpeculativeConfig.from_dict(
+        {"method": "mtp", "num_speculative_tokens": {"1": 5, "4": 3, "16": 1, "32": 0}}
+    )
+    assert config is not None and config.num_speculative_tokens == 5
+    assert [config.draft_len(b) for b in (1, 3, 4, 15, 16, 31, 32, 500)] == [5, 5, 3, 3, 1, 1, 0, 0]
+    fixed = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2})
+    assert fixed is not None and fixed.draft_len(100) == 2
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        SpeculativeConfig.from_dict({"method": "mtp", "draft_len_schedule": [[1, 2]]})
