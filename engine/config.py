@@ -338,6 +338,9 @@ class SpeculativeConfig:
     # The schedule as ((batch size, K), ...) ascending, from a dict num_speculative_tokens; ()
     # for a fixed K.
     draft_len_schedule: tuple[tuple[int, int], ...] = ()
+    # Per-request draft length from the request's own acceptance, within the step's K
+    # (engine/speculative/adaptive.py); chains only.
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -496,6 +499,14 @@ class SpeculativeConfig:
             )
 
     def _check_schedule(self) -> None:
+        _require(
+            isinstance(self.adaptive, bool), "speculative_config.adaptive", self.adaptive, "a bool"
+        )
+        if self.adaptive and (self.topk != 1 or self.mtp_mode == "vanilla"):
+            raise ValueError(
+                "speculative_config.adaptive applies to chains (topk 1) of eagle3, mtp (mode "
+                "'eagle'), ngram and draft_model"
+            )
         if not self.draft_len_schedule:
             return
         if self.mtp_mode == "vanilla":

@@ -16,6 +16,7 @@ from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.speculative.adaptive import AdaptiveDepth
 from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
@@ -87,6 +88,10 @@ class LLMEngine:
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.spec_stats = SpecStats()
         self.steps_by_draft_len: dict[int, int] = {}  # see EngineStats.spec_steps_by_draft_len
+        # "adaptive": each request's draft length from its own acceptance.
+        self.adaptive: dict[str, AdaptiveDepth] | None = (
+            {} if sc is not None and sc.adaptive else None
+        )
         self.constrained_drafts = self.constrained_accepted = 0  # grammar-constrained requests
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -196,6 +201,8 @@ class LLMEngine:
             self.structured.forget(rid)
             if self.ngram is not None:
                 self.ngram.forget(rid)
+            if self.adaptive is not None:
+                self.adaptive.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.structured.pending) or any(s.has_unfinished() for s in self.schedulers)
@@ -363,6 +370,9 @@ class LLMEngine:
                             drafts = pad_drafts(drafts, request.all_token_ids[-1], k)
                     else:
                         drafts = result.draft_token_ids[i][: max(0, min(room, k_step))]
+                    if self.adaptive is not None:
+                        depth = self.adaptive.setdefault(rid, AdaptiveDepth(self.num_spec_tokens))
+                        drafts = drafts[: depth.update(n_drafts, accepted, k_step)]
                     if drafts and self.structured.is_constrained(rid):
                         drafts = self._grammar_drafts(request, drafts)
                 request.spec_token_ids = drafts
@@ -372,6 +382,8 @@ class LLMEngine:
                 self.structured.forget(rid)
                 if self.ngram is not None:
                     self.ngram.forget(rid)
+                if self.adaptive is not None:
+                    self.adaptive.pop(rid, None)
         # Prefill chunks that sampled nothing this step.
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])

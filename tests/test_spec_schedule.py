@@ -136,3 +136,65 @@ def test_schedule_lookup() -> None:
     assert fixed is not None and fixed.draft_len(100) == 2
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
         SpeculativeConfig.from_dict({"method": "mtp", "draft_len_schedule": [[1, 2]]})
+
+
+# ------------------------------------------------------------------ adaptive
+
+
+def test_adaptive_rule() -> None:
+    from tandem.engine.speculative.adaptive import PAUSE_STEPS, AdaptiveDepth
+
+    d = AdaptiveDepth(4)
+    assert d.update(0, 0, 4) == 4  # a step without drafts (the prefill) changes nothing
+    assert d.update(4, 4, 4) == 4  # all accepted: as deep as the step allows
+    assert d.update(4, 1, 4) == 2  # one more than accepted
+    assert d.update(2, 2, 1) == 1  # never past the step's K
+    assert d.update(3, 0, 4) == 1
+    assert d.update(1, 0, 4) == 0  # two verifications in a row accepted nothing: a pause
+    assert [d.update(0, 0, 4) for _ in range(PAUSE_STEPS)] == [0] * (PAUSE_STEPS - 1) + [1]
+    assert d.update(1, 1, 4) == 2  # the probe was accepted: deeper again
+
+
+def test_adaptive_drafts_less_where_drafts_fail(
+    models: dict[str, Path], baseline: list[list[int]]
+) -> None:
+    """A random Eagle3 head is rarely right: adaptive verifies far fewer drafts for the same
+    output; the MTP layer of the same random target likewise; greedy output unchanged."""
+    fixed = {"method": "eagle3", "model": str(models["eagle3"]), "num_speculative_tokens": 4}
+    counts = {}
+    for adaptive in (False, True):
+        with LLM(str(models["target"]), speculative_config={**fixed, "adaptive": adaptive}) as llm:
+            outs = llm.generate(PROMPTS, PARAMS)
+            counts[adaptive] = llm.engine.spec_stats.num_draft_tokens
+            assert [o.outputs[0].token_ids for o in outs] == baseline
+            assert llm.engine.adaptive is None or not llm.engine.adaptive  # state forgotten
+    assert counts[True] < counts[False] / 2, counts
+
+
+def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
+    """A perfect draft (the target's own next token) is always accepted: K + 1 a step."""
+    from checkpoints import zero_residual_writes
+
+    target = build_llama(tmp_path / "p", layers=2, seed=3)
+    zero_residual_writes(target)
+    add_mtp_layers(target, 1, perfect=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    with LLM(str(target), speculative_config=spec) as llm:
+        (out,) = llm.generate([[5, 6, 7]], params)
+    stats = out.spec_stats
+    assert stats is not None and stats.num_draft_tokens == 3 * stats.num_drafts
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"adaptive": "yes"}, "speculative_config.adaptive='yes' is invalid"),
+        ({"adaptive": True, "topk": 2, "num_draft_tokens": 4}, "adaptive applies to chains"),
+        ({"adaptive": True, "mtp_mode": "vanilla"}, "adaptive applies to chains"),
+    ],
+)
+def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({"method": "mtp", **extra})
