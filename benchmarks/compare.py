@@ -45,6 +45,7 @@ from tandem.bench.compare_workloads import (
     NONE,
     REPO,
     SHIPPED_HEADS,
+    WORKLOADS,
     BenchConfig,
     load_prompts,
     parse_trees,
@@ -105,6 +106,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="TOPK:N,...",
         help="speculative rows also with draft trees (speculative_config topk and "
         "num_draft_tokens; depth --num-speculative-tokens), e.g. 2:4,2:8,4:8,4:16",
+    )
+    p.add_argument(
+        "--ngram",
+        default="1:3",
+        metavar="MIN:MAX",
+        help="the n-gram row's prompt_lookup_min:prompt_lookup_max (K --num-speculative-tokens); "
+        f"'{NONE}' skips the row",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        metavar="JSON",
+        help="an adaptive row per chain method: num_speculative_tokens by batch size (e.g. "
+        '\'{"1": 4, "4": 2, "16": 0}\') with "adaptive": true',
+    )
+    p.add_argument(
+        "--workload",
+        choices=tuple(WORKLOADS),
+        default="chat",
+        help="the prompt set when --prompts is not given: chat (questions) or grounded "
+        "(rewrite, fix, summarise a text or code given in the prompt)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
@@ -224,7 +246,22 @@ def _main(ns: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise BenchError(f"--json-schema {ns.json_schema!r}: {e}") from None
         ns.skip_transformers = True  # transformers generate has no grammar to hold it to
-    prompts = load_prompts(ns.prompts, model, ns.num_prompts)
+    prompt_file = ns.prompts or str(WORKLOADS[ns.workload])
+    prompts = load_prompts(prompt_file, model, ns.num_prompts)
+    ngram = None
+    if ns.ngram != NONE:
+        try:
+            lo, hi = (int(v) for v in ns.ngram.split(":"))
+        except ValueError:
+            raise BenchError(f"--ngram {ns.ngram!r}: expected MIN:MAX, e.g. 1:3") from None
+        ngram = {"method": "ngram", "num_speculative_tokens": k}
+        ngram.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+    schedule = None
+    if ns.schedule is not None:
+        try:
+            schedule = json.loads(ns.schedule)
+        except ValueError as e:
+            raise BenchError(f"--schedule: {e}") from None
     cfg = BenchConfig(
         dtype=ns.dtype,
         device=ns.device,
@@ -237,7 +274,8 @@ def _main(ns: argparse.Namespace) -> int:
     )
     length = f"up to EOS, at most {ns.max_tokens}" if ns.stop_at_eos else f"{ns.max_tokens}"
     print(
-        f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts "
+        f"model {model}, {ns.dtype} on {ns.device}, {len(prompts)} prompts from "
+        f"{Path(prompt_file).name} "
         f"(mean {sum(map(len, prompts)) / len(prompts):.0f} tokens; the first "
         f"{cfg.batch1_prompts} at batch 1), {length} new tokens, {cfg.rounds} round(s) of "
         f"the concurrency columns, {torch.get_num_threads()} threads"
@@ -273,8 +311,18 @@ def _main(ns: argparse.Namespace) -> int:
                 lambda: TransformersSystem(model, cfg, prompts[0], ns.assistant_model),
             )
         add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
-        for method, chain, why in (("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)):
-            for topk, n in [(1, k), *trees]:  # the chain, then each tree
+        methods = [("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)]
+        methods.append(("ngram", ngram, f"skipped (--ngram {NONE})"))
+        for method, chain, why in methods:
+            if schedule is not None and chain is not None:
+                name = f"tandem + {method} (adaptive, schedule {json.dumps(schedule)})"
+                spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
+                spec.pop("disable_by_batch_size", None)
+                add(
+                    name,
+                    lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
+                )
+            for topk, n in [(1, k), *trees] if method != "ngram" else [(1, k)]:
                 how = [f"K={k}"] + ([f"topk {topk} N {n}"] if topk > 1 else [])
                 if ns.draft_quantization != "none":
                     how.append(ns.draft_quantization)

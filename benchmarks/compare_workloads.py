@@ -17,6 +17,12 @@ SHIPPED_HEADS = REPO / "models" / "heads"
 
 
 NONE = "none"  # --eagle3 none / --mtp none: skip that row
+# --workload: chat questions, or tasks whose answer copies the prompt's text (what n-gram and
+# suffix drafting are for).
+WORKLOADS = {
+    "chat": REPO / "training" / "data" / "eval_prompts.jsonl",
+    "grounded": REPO / "training" / "data" / "grounded_prompts.jsonl",
+}
 
 
 @dataclass

@@ -202,6 +202,7 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         f"tandem + eagle3 (K={K})",
         f"tandem + eagle3 (K={K}, presence_penalty 0.5)",  # what a penalty costs
         f"tandem + mtp (K={K})",
+        f"tandem + ngram (K={K})",  # drafts from the prompt's own text: no head
     )
     header = next(line for line in out.splitlines() if line.startswith("tokens/s"))
     assert header.split()[1:] == ["batch", "1", "c=1", "c=2", "tok/step"]
@@ -225,13 +226,13 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         assert 1.0 <= by_name[name]["batch1_tokens_per_step"] <= K + 1
     assert by_name["tandem"]["batch1_tokens_per_step"] == 1.0  # one token per plain step
     assert by_name["transformers generate"]["batch1_ms_per_step"] is None  # steps not counted
-    # The per-step table: the four Tandem rows, and what 1.6x would need of each speculative one.
+    # The per-step table: the five Tandem rows, and what 1.6x would need of each speculative one.
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("batch 1, per decode step"))
     assert lines[at].split()[-4:] == ["ms/step", "tok/step", "cost", "speedup"]
-    assert [line.split()[0] for line in lines[at + 1 : at + 5]] == ["tandem"] * 4
+    assert [line.split()[0] for line in lines[at + 1 : at + 6]] == ["tandem"] * 5
     assert lines[at + 1].split()[-2:] == ["1.00x", "1.00x"]  # plain: its own cost and speedup
-    assert sum("tokens/step at this step cost" in line for line in lines) == 3
+    assert sum("tokens/step at this step cost" in line for line in lines) == 4
     assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
     # The roofline's bandwidth: probed before and after the one batch-1 prompt (quick).
     probes = data["memory_bandwidth_batch1_probes"]
@@ -273,18 +274,28 @@ def test_compare_names_why_a_row_is_missing(tmp_path_factory, tmp_path, capsys):
     assert "vs transformers: n/a" in out
 
 
+SCHEDULE = '{"1": 3, "2": 1}'
+
+
 def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, capsys):
     result = tmp_path / "c.json"
     rc = main(
         [
             "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
             "--skip-transformers", "--eagle3", "none", "--disable-by-batch-size", "2",
-            "--trees", "2:4", "--result-file", str(result),
+            "--trees", "2:4", "--schedule", SCHEDULE, "--workload", "grounded", "--ngram",
+            "1:2", "--result-file", str(result),
         ]
     )  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
     rows = {r["name"]: r for r in json.loads(result.read_text())["rows"]}
+    # --schedule: an adaptive row per chain method (n-gram drafts from the grounded prompts).
+    assert any("prompts from grounded_prompts.jsonl" in line for line in out)
+    for method in ("mtp", "ngram"):
+        row = rows[f"tandem + {method} (adaptive, schedule {SCHEDULE})"]
+        assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
+        assert 1.0 <= row["tokens_per_step"] <= K + 1
     # The chain, and a draft tree of depth K (--trees).
     for name in (
         f"tandem + mtp (K={K}, off at 2+)",
@@ -298,6 +309,8 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
         assert 1.0 <= row["tokens_per_step"] <= K + 1
     bad = ["bench", "compare", "--quick", "--trees", "2:2", "--result-file", str(result)]
     assert main(bad) == 2
+    assert main(["bench", "compare", "--quick", "--ngram", "3"]) == 2
+    assert main(["bench", "compare", "--quick", "--schedule", "{"]) == 2
     assert "--trees '2:2'" in capsys.readouterr().err
 
 
@@ -433,7 +446,8 @@ def test_compare_holds_every_tandem_row_to_a_json_schema(
     rc = main(
         [
             "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
-            "--eagle3", "none", "--json-schema", str(path), "--result-file", str(result),
+            "--eagle3", "none", "--ngram", "none", "--json-schema", str(path),
+            "--result-file", str(result),
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
