@@ -163,15 +163,19 @@ class CUDAGraphRunner:
         self.device = device
         self.enabled = enabled
 
-    def plan(self, can_graph: bool, batch_size: int, variant: str) -> GraphPlan:
+    def plan(
+        self, can_graph: bool, batch_size: int, variant: str, draft_len: int | None = None
+    ) -> GraphPlan:
         """``can_graph``: this rank's step holds generation requests only. ``variant`` must be
-        the step's final (group-synced) sampling variant."""
+        the step's final (group-synced) sampling variant; ``draft_len`` its drafts per request
+        (None: the configured K)."""
         if not self.enabled:
             return GraphPlan(None, 0)
         all_can, max_bs = agree_across_ranks(can_graph, batch_size, self.mapping, self.device)
         if not all_can:
             return GraphPlan(None, 0)
-        key = graph_key(max_bs, self.draft_len, variant, self.buckets, self.topk)
+        k = self.draft_len if draft_len is None else draft_len
+        key = graph_key(max_bs, k, variant, self.buckets, self.topk)
         if key is None:
             return GraphPlan(None, 0)
         return GraphPlan(key, key.batch_size - batch_size)

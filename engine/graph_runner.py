@@ -51,6 +51,17 @@ if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
 
 
+def draft_lens_of(spec: Any) -> tuple[int, ...]:
+    """The draft lengths captured: 0 without speculation, a tree's node count, else K and the
+    positive K values of a num_speculative_tokens schedule."""
+    if spec is None:
+        return (0,)
+    lens = {spec.k}
+    if not isinstance(spec, TreeDecoder):
+        lens |= {k for _, k in spec.config.draft_len_schedule if k > 0}
+    return tuple(sorted(lens))
+
+
 def max_blocks_per_request(max_model_len: int, kv_lookahead: int, block_size: int) -> int:
     """Block-table width of the static buffers: a request at ``max_model_len`` plus a step's
     KV look-ahead (``SpeculativeConfig.kv_lookahead``), plus one block of slack."""
@@ -111,6 +122,9 @@ class GraphRunner:
         self.runner = runner
         self.spec = runner.spec
         self.k = runner.k
+        # The draft lengths a key may carry: K, and every K of a num_speculative_tokens
+        # schedule (a step that verifies as many drafts as it draws replays its own graph).
+        self.draft_lens = draft_lens_of(self.spec)
         # Draft trees: the target verifies tree rows (positions root + depth, a tree mask)
         # and the draft segment drafts the next tree (its shape leaves as static outputs).
         self.tree = isinstance(self.spec, TreeDecoder)
@@ -178,18 +192,18 @@ class GraphRunner:
             z("noise", (self.k, b, vocab), torch.float32)
             self.buffers["noise"].fill_(1.0)
 
-    def _counts(self, b: int) -> tuple[list[int], list[int]] | None:
+    def _counts(self, b: int, k: int) -> tuple[list[int], list[int]] | None:
         """Attention DP: every rank pads to the same bucket, so the per-rank row counts of a
         key are fixed (and baked into its collectives)."""
         if not self.mapping.enable_attention_dp:
             return None
         tp = self.mapping.tp_size
-        return [b * (self.k + 1)] * tp, [b] * tp
+        return [b * (k + 1)] * tp, [b] * tp
 
-    def _meta(self, b: int, tree: bool = False) -> AttentionMetadata:
-        """The step's attention metadata over the static buffers; ``tree``: the target's, with
-        the tree attention words of the verify rows."""
-        buf, n = self.buffers, b * (self.k + 1)
+    def _meta(self, b: int, k: int, tree: bool = False) -> AttentionMetadata:
+        """The step's attention metadata over the static buffers (``b`` requests of ``k``
+        drafts); ``tree``: the target's, with the tree attention words of the verify rows."""
+        buf, n = self.buffers, b * (k + 1)
         max_seq_len = self.max_blocks * self.block_size
         tables, seq_lens = buf["block_tables"][:b], buf["seq_lens"][:b]
         qsl = buf["query_start_loc"][: b + 1]
@@ -202,7 +216,7 @@ class GraphRunner:
                 seq_lens,
                 qsl,
                 self.block_size,
-                self.k + 1,
+                k + 1,
                 max_seq_len,
                 num_tokens=n,
                 tree_mask=tree_mask,
@@ -212,12 +226,12 @@ class GraphRunner:
             block_tables=tables,
             seq_lens=seq_lens,
             query_start_loc=qsl,
-            max_query_len=self.k + 1,
+            max_query_len=k + 1,
             max_seq_len=max_seq_len,
             plan=plan,
             tree_mask=tree_mask,
         )
-        counts = self._counts(b)
+        counts = self._counts(b, k)
         if counts is not None:
             meta.all_rank_num_tokens, meta.all_rank_num_picked = counts
         return meta
@@ -248,8 +262,8 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ segments
 
-    def _target_fn(self, b: int) -> Callable[[], tuple[Tensor, list[Tensor]]]:
-        buf, n, runner = self.buffers, b * (self.k + 1), self.runner
+    def _target_fn(self, b: int, k: int) -> Callable[[], tuple[Tensor, list[Tensor]]]:
+        buf, n, runner = self.buffers, b * (k + 1), self.runner
 
         positions = buf["tree_positions" if self.tree else "positions"][:n]
 
@@ -257,13 +271,13 @@ class GraphRunner:
             return runner.model(
                 buf["input_ids"][:n],
                 positions,
-                self._meta(b, tree=self.tree),
+                self._meta(b, k, tree=self.tree),
                 capture_layers=runner.capture_layers,
             )
 
         return target
 
-    def _layout(self, b: int, meta: AttentionMetadata) -> VerifyLayout:
+    def _layout(self, b: int, k: int, meta: AttentionMetadata) -> VerifyLayout:
         buf = self.buffers
         return VerifyLayout(
             rows=buf["rows"][:b],
@@ -272,7 +286,7 @@ class GraphRunner:
             first_row=buf["first_row"][:b],
             positions=buf["layout_positions"][:b],
             block_tables=meta.block_tables,  # every request is sampled: the same tables
-            row_owner=buf["row_owner"][: b * (self.k + 1)],
+            row_owner=buf["row_owner"][: b * (k + 1)],
             max_seq_len=meta.max_seq_len,
         )
 
@@ -283,14 +297,14 @@ class GraphRunner:
         assert isinstance(spec, TreeDecoder)
 
         def draft() -> tuple[Tensor, ...]:
-            meta = self._meta(b)
+            meta = self._meta(b, self.k)
             return spec.next_tree(
                 buf["input_ids"][:n],
                 buf["positions"][:n],
                 meta,
                 buf["draft_hidden"][:n],
                 buf["next_tokens"][:b],
-                self._layout(b, meta),
+                self._layout(b, self.k, meta),
                 buf["num_accepted"][:b],
                 buf["tokens"][:b],
                 buf["path"][:b],
@@ -298,14 +312,14 @@ class GraphRunner:
 
         return draft
 
-    def _draft_fn(self, b: int, variant: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
-        spec, buf, n = self.spec, self.buffers, b * (self.k + 1)
+    def _draft_fn(self, b: int, k: int, variant: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        spec, buf, n = self.spec, self.buffers, b * (k + 1)
         assert spec is not None
         advanced = variant == ADVANCED
 
         def draft() -> tuple[Tensor, Tensor | None]:
-            meta = self._meta(b)
-            layout = self._layout(b, meta)
+            meta = self._meta(b, k)
+            layout = self._layout(b, k, meta)
             vanilla = SimpleNamespace(future=None, row_req=None, row_last=None)
             if spec.vanilla:
                 vanilla = SimpleNamespace(
@@ -328,6 +342,7 @@ class GraphRunner:
                 self._sampling(b) if advanced else _NO_SAMPLING,
                 spec_meta,
                 buf["noise"][:, :b] if advanced else None,
+                steps=None if k == self.k else k,
             )
 
         return draft
@@ -357,30 +372,38 @@ class GraphRunner:
         if self.use_cuda:
             self.pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.batch_sizes, reverse=True):
-            inp = runner.prepare(runner.pad_generation(StepInput([]), b), self._counts(b))
-            self._copy_target(b, inp)
-            target = Segment(self._target_fn(b))
-            target.capture(self.pool, self.use_cuda)
-            tree = None  # a tree's draft segment does not depend on the sampling variant
-            if self.tree:
-                self._copy_layout(b, inp)
-                tree = Segment(self._tree_fn(b))
-                tree.capture(self.pool, self.use_cuda)
-            for variant in self.variants():
-                draft = tree
-                if self.spec is not None and tree is None and self.spec.draft is not None:
-                    self._copy_layout(b, inp)
-                    draft = Segment(self._draft_fn(b, variant))
-                    draft.capture(self.pool, self.use_cuda)
-                key = GraphKey(b, self.k, variant, self.topk)
-                self.graphs[key] = CapturedStep(key, target, draft)
+            for k in sorted(self.draft_lens, reverse=True):
+                self._capture(b, k)
         if self.use_cuda:
             torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ replay
 
-    def _copy_target(self, b: int, inp: PreparedInputs) -> None:
-        buf, n, meta = self.buffers, b * (self.k + 1), inp.meta
+    def _capture(self, b: int, k: int) -> None:
+        """The graphs of ``b`` requests with ``k`` drafts each: the target segment, then the
+        draft segment of each sampling variant (one tree segment for a draft tree)."""
+        runner = self.runner
+        empty = StepInput([], num_draft_steps=None if k == self.k else k)
+        inp = runner.prepare(runner.pad_generation(empty, b), self._counts(b, k))
+        self._copy_target(b, k, inp)
+        target = Segment(self._target_fn(b, k))
+        target.capture(self.pool, self.use_cuda)
+        tree = None  # a tree's draft segment does not depend on the sampling variant
+        if self.tree and self.spec.draft is not None:  # suffix trees come from the engine
+            self._copy_layout(b, k, inp)
+            tree = Segment(self._tree_fn(b))
+            tree.capture(self.pool, self.use_cuda)
+        for variant in self.variants():
+            draft = tree
+            if self.spec is not None and tree is None and self.spec.draft is not None:
+                self._copy_layout(b, k, inp)
+                draft = Segment(self._draft_fn(b, k, variant))
+                draft.capture(self.pool, self.use_cuda)
+            key = GraphKey(b, k, variant, self.topk)
+            self.graphs[key] = CapturedStep(key, target, draft)
+
+    def _copy_target(self, b: int, k: int, inp: PreparedInputs) -> None:
+        buf, n, meta = self.buffers, b * (k + 1), inp.meta
         buf["input_ids"][:n].copy_(inp.input_ids)
         buf["positions"][:n].copy_(inp.positions)
         buf["slot_mapping"][:n].copy_(meta.slot_mapping)
@@ -405,7 +428,7 @@ class GraphRunner:
             buf["row_req"][:n].copy_(inp.row_req)
             buf["row_last"][:n].copy_(inp.row_last)
 
-    def _copy_layout(self, b: int, inp: PreparedInputs) -> None:
+    def _copy_layout(self, b: int, k: int, inp: PreparedInputs) -> None:
         layout, buf = inp.layout, self.buffers
         assert layout is not None
         buf["rows"][:b].copy_(layout.rows)
@@ -413,7 +436,7 @@ class GraphRunner:
         buf["num_drafts"][:b].copy_(layout.num_drafts)
         buf["first_row"][:b].copy_(layout.first_row)
         buf["layout_positions"][:b].copy_(layout.positions)
-        buf["row_owner"][: b * (self.k + 1)].copy_(layout.row_owner)
+        buf["row_owner"][: b * (k + 1)].copy_(layout.row_owner)
 
     def bind(self, key: GraphKey, inp: PreparedInputs) -> GraphReplay | None:
         """This step's replay (its target inputs copied in), or None when the prepared batch
@@ -421,21 +444,22 @@ class GraphRunner:
         captured = self.graphs.get(key)
         if captured is None:
             return None
-        b, n = key.batch_size, key.batch_size * (self.k + 1)
+        b, k = key.batch_size, key.draft_len
+        n = b * (k + 1)
         meta = inp.meta
-        counts = self._counts(b)
+        counts = self._counts(b, k)
         fits = (
             len(inp.sampled) == b
             and meta.seq_lens.shape[0] == b
             and inp.input_ids.shape[0] == n
-            and meta.max_query_len == self.k + 1
+            and meta.max_query_len == k + 1
             and meta.block_tables.shape[1] <= self.max_blocks
             and (not self.tree or inp.target is not None)  # the tree's verify rows
             and (counts is None or (meta.all_rank_num_tokens, meta.all_rank_num_picked) == counts)
         )
         if not fits:
             return None
-        self._copy_target(b, inp)
+        self._copy_target(b, k, inp)
         return GraphReplay(self, captured)
 
 
@@ -478,8 +502,9 @@ class GraphReplay:
                 f"{'advanced' if advanced else 'greedy'}: the sampling variant must be decided "
                 "before the graph key"
             )
-        b, n = key.batch_size, key.batch_size * (g.k + 1)
-        g._copy_layout(b, inp)
+        b, k = key.batch_size, key.draft_len
+        n = b * (k + 1)
+        g._copy_layout(b, k, inp)
         buf["draft_hidden"][:n].copy_(draft_hidden)
         buf["num_accepted"][:b].copy_(num_accepted)
         buf["tokens"][:b].copy_(tokens)
@@ -495,7 +520,8 @@ class GraphReplay:
             buf["top_k"][:b].copy_(st.top_k)
             buf["top_p"][:b].copy_(st.top_p)
             buf["min_p"][:b].copy_(st.min_p)
-            buf["noise"][:, :b].copy_(spec.draw_draft_noise(b, st, num_accepted.device))
+            noise = spec.draw_draft_noise(b, st, num_accepted.device, k)
+            buf["noise"][:k, :b].copy_(noise)
         new_drafts, q_all = self.captured.draft.replay()
         spec.keep_q(request_ids, None if q_all is None else q_all.clone())
         return new_drafts.clone()

@@ -120,17 +120,24 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- inputs
 
-    def dummy_step(self, index: int = 0) -> RequestStep:
-        """A greedy generation request (one token plus K zero drafts) on the reserved blocks."""
+    def dummy_step(self, index: int = 0, draft_len: int | None = None) -> RequestStep:
+        """A greedy generation request (one token plus ``draft_len``, None: K, zero drafts) on
+        the reserved blocks."""
+        k = self.k if draft_len is None else draft_len
         return RequestStep(
             request_id=f"{ADP_DUMMY_REQUEST_ID}{index}",
-            token_ids=[0] * (1 + self.k),
+            token_ids=[0] * (1 + k),
             start=0,
             block_ids=list(self.dummy_block_ids),
             sample=True,
             params=DUMMY_PARAMS,
-            num_drafts=self.k,
+            num_drafts=k,
         )
+
+    def graph_draft_len(self, step: StepInput) -> int:
+        """The draft length of a step's graph key: the drafts it draws (K, or a schedule's K);
+        only a step whose requests verify as many drafts can replay."""
+        return self.k if step.num_draft_steps is None else step.num_draft_steps
 
     def prepare(
         self, step: StepInput, adp_counts: tuple[list[int], list[int]] | None = None
@@ -186,15 +193,16 @@ class ModelRunner:
     def execute_dp(self, dp_step: DPStepInput) -> StepOutput:
         """Attention DP: run this rank's entry, padded with the dummy request where needed; the
         per-rank counts come from every rank's (padded) entry."""
-        steps = adp_pad_steps(dp_step.steps, self.dummy_step(-1))
+        k = self.graph_draft_len(dp_step.steps[self.dp_rank])
+        steps = adp_pad_steps(dp_step.steps, self.dummy_step(-1, k))
         own = steps[self.dp_rank]
         if not own.requests:  # no rank has work: no collective at all
             return self.execute(own)
-        advanced, plan = self.plan_graph(own.requests)
+        advanced, plan = self.plan_graph(own.requests, k)
         masked = self.grammars is not None and any(
             r.token_bitmask is not None for s in steps for r in s.requests
         )
-        if not own.propose_drafts or masked or own.num_draft_steps is not None:
+        if not own.propose_drafts or masked:
             # Paused speculation, or masked drafting somewhere (host reads inside the draft
             # loop): every rank runs eagerly (every rank knows every entry, so all agree).
             plan = GraphPlan(None, 0)
@@ -209,9 +217,12 @@ class ModelRunner:
         out.rank_paths = [(advanced, plan.key)]
         return out
 
-    def plan_graph(self, requests: list[RequestStep]) -> tuple[bool, GraphPlan]:
+    def plan_graph(
+        self, requests: list[RequestStep], draft_len: int | None = None
+    ) -> tuple[bool, GraphPlan]:
         """The step's sampling path first (group-synced), then the graph key and padding:
-        (advanced draft sampling, plan)."""
+        (advanced draft sampling, plan). ``draft_len``: the step's (None: K)."""
+        k = self.k if draft_len is None else draft_len
         sampled = [r for r in requests if r.sample]
         # The sampler's own test (``SamplingTensors.all_greedy``), so the rescan agrees.
         local_greedy = all(
@@ -224,7 +235,8 @@ class ModelRunner:
             advanced = self.spec_meta.wants_advanced_draft_sampling
         variant = sampling_variant(self.k, advanced, local_greedy)
         assert self.graphs is not None
-        return advanced, self.graphs.plan(step_can_graph(requests, self.k), len(requests), variant)
+        can = step_can_graph(requests, k) and self._captured_draft_len(k)
+        return advanced, self.graphs.plan(can, len(requests), variant, k)
 
     @torch.inference_mode()
     def execute_plain(self, step: StepInput) -> StepOutput:
@@ -235,10 +247,9 @@ class ModelRunner:
             or self.graphs is None
             or not step.requests
             or not step.propose_drafts  # paused speculation runs eagerly
-            or step.num_draft_steps is not None  # as do scheduled K below the captured K
         ):
             return self.execute(step)
-        _, plan = self.plan_graph(step.requests)
+        _, plan = self.plan_graph(step.requests, self.graph_draft_len(step))
         if plan.key is None:
             return self.execute(step, scanned=True)
         out = self.execute(self.pad_generation(step, plan.num_padding), scanned=True, key=plan.key)
@@ -250,7 +261,8 @@ class ModelRunner:
         """``step`` plus ``n`` dummy generation requests (graph padding; reserved blocks)."""
         if n <= 0:
             return step
-        dummies = [self.dummy_step(len(step.requests) + i) for i in range(n)]
+        k = self.graph_draft_len(step)
+        dummies = [self.dummy_step(len(step.requests) + i, k) for i in range(n)]
         return dataclasses.replace(step, requests=[*step.requests, *dummies])
 
     @torch.inference_mode()
@@ -340,6 +352,12 @@ class ModelRunner:
             m = m.view(-1, m.shape[-1])[:cols]
             rows[i, : m.shape[0], : m.shape[1]] = m
         return rows.view(len(sampled) * cols, width).to(self.device, non_blocking=True)
+
+    def _captured_draft_len(self, k: int) -> bool:
+        """Whether graphs exist for ``k`` drafts (every planned length, without captured graphs:
+        the padding logic runs the same)."""
+        runner = self.graph_runner
+        return runner is None or k in runner.draft_lens
 
     def scan_sampling_path(self, meta: SpecMetadata, local_all_greedy: bool) -> None:
         """The step's sampling path, before anything (the CUDA-graph key included) reads it:

@@ -44,10 +44,12 @@ def spec(models: dict[str, Path], method: str) -> dict[str, Any]:
     return out
 
 
-def run(llm: LLM) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+def run(
+    llm: LLM, params: list[SamplingParams] = PARAMS
+) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
     """(each prompt's tokens, per step: its batch size and every request's new drafts)."""
     engine = llm.engine
-    reqs = [engine.add_request(f"r{i}", p, PARAMS[i]) for i, p in enumerate(PROMPTS)]
+    reqs = [engine.add_request(f"r{i}", p, params[i]) for i, p in enumerate(PROMPTS)]
     steps = []
     while engine.has_unfinished_requests():
         ran = engine.step()
@@ -198,3 +200,34 @@ def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
 def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict({"method": "mtp", **extra})
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_graph_keys_carry_the_scheduled_k(
+    models: dict[str, Path], baseline: list[list[int]], method: str, monkeypatch
+) -> None:
+    """Every K of the schedule has its captured steps (the static-buffer path, run eagerly on a
+    CPU): steps that verify as many drafts as they draw replay the graph of their K."""
+    from tandem.engine.graph_runner import GraphReplay
+
+    replayed = []
+    forward = GraphReplay.forward
+
+    def record(self: GraphReplay) -> Any:
+        replayed.append(self.captured.key.draft_len)
+        return forward(self)
+
+    # The longest request runs on alone: batch-1 steps with room for K = 4.
+    lengths = (80, 24, 16, 8)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    with LLM(str(models["target"])) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert want[1:] == [t[:n] for t, n in zip(baseline[1:], lengths[1:], strict=True)]
+    monkeypatch.setattr(GraphReplay, "forward", record)
+    monkeypatch.setenv("TANDEM_TEST_STATIC_GRAPHS", "1")
+    with LLM(str(models["target"]), speculative_config=spec(models, method), max_num_seqs=4) as llm:
+        tokens, _ = run(llm, params)
+        graphs = llm.engine.executor.worker.runner.graph_runner
+    assert tokens == want
+    assert graphs is not None and {key.draft_len for key in graphs.graphs} == {1, 3, 4}
+    assert {1, 4} <= set(replayed), replayed  # batches of 3 (K 1), then of 1 (K 4)

@@ -230,14 +230,15 @@ class SpecDecoder:
             self.draft_q[rid] = q_all[i]
 
     def draw_draft_noise(
-        self, batch_size: int, st: SamplingTensors, device: torch.device
+        self, batch_size: int, st: SamplingTensors, device: torch.device, steps: int | None = None
     ) -> Tensor:
-        """[K, B, V] Exp(1) noise for advanced drafting, drawn exactly as the K draft steps draw
-        it one by one (same generators, same order), so a loop fed this noise samples the same
-        drafts. A captured draft loop reads it from a static buffer."""
+        """[steps, B, V] Exp(1) noise for advanced drafting (``steps`` None: K), drawn exactly as
+        the draft steps draw it one by one (same generators, same order), so a loop fed this
+        noise samples the same drafts. A captured draft loop reads it from a static buffer."""
         vocab = int(self.draft.config.vocab_size)
         shape = (batch_size, vocab)
-        return torch.stack([exponential_noise(shape, st.generators, device) for _ in range(self.k)])
+        n = self.k if steps is None else steps
+        return torch.stack([exponential_noise(shape, st.generators, device) for _ in range(n)])
 
     def draft_loop(
         self,
