@@ -243,10 +243,15 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'", "prompt")
+        body.check_template_kwargs()
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages must not be empty", "messages")
-            ids = render_chat_prompt(state, body.messages, body.add_generation_prompt)
+            kwargs = {**state.settings.default_chat_template_kwargs}
+            kwargs.update(body.chat_template_kwargs or {})
+            ids = render_chat_prompt(
+                state, body.messages, body.add_generation_prompt, template_kwargs=kwargs
+            )
         elif isinstance(body.prompt, str):
             ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:

@@ -288,12 +288,7 @@ class ChatCompletionRequest(SamplingFields):
                 f"got {self.reasoning_effort!r}",
                 "reasoning_effort",
             )
-        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_NAMES)
-        if reserved:
-            raise bad_request(
-                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it",
-                f"chat_template_kwargs.{reserved[0]}",
-            )
+        check_template_kwargs(self.chat_template_kwargs)
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "Only ['text'] is served.")
         if self.top_logprobs and not self.logprobs:
@@ -362,12 +357,30 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_tokens
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """A request's chat_template_kwargs may not set what the server passes the template."""
+    reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it",
+            f"chat_template_kwargs.{reserved[0]}",
+        )
+
+
 class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages: template variables, as on /v1/chat/completions (over the server's
+    # --default-chat-template-kwargs, key by key).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_kwargs(self) -> None:
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise bad_request("chat_template_kwargs apply to messages", "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class DetokenizeRequest(StrictModel):

@@ -488,6 +488,34 @@ def test_thinking_off_is_all_content(client: openai.OpenAI) -> None:
     assert full.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+def test_tokenize_renders_with_the_template_arguments(server: RemoteServer) -> None:
+    """/tokenize counts the prompt /v1/chat/completions sends: the server's default
+    (enable_thinking true) unless the request's chat_template_kwargs say otherwise."""
+    import httpx
+
+    def count(**extra: Any) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": WEATHER}], **extra}
+        r = httpx.post(server.url("/tokenize"), json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    for kwargs in ({}, {"enable_thinking": False}):
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        out = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": WEATHER}], max_tokens=1,
+            extra_body=extra,
+        )  # fmt: skip
+        assert count(**extra) == out.usage.prompt_tokens
+    assert count(chat_template_kwargs={"enable_thinking": False}) > count()  # the closed block
+    bad = httpx.post(
+        server.url("/tokenize"),
+        json={"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "apply to messages" in bad.text
+
+
 def test_a_call_inside_the_thinking_is_not_a_call(client: openai.OpenAI) -> None:
     full, streamed = _both(client, tools=[TOOL])
     message = full.choices[0].message
