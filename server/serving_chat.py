@@ -140,7 +140,11 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
             param_names=_PARAM_NAMES,
         )
-        forced = self.tools.grammar(self._call_format())
+        call_format = self._call_format()
+        special = frozenset(MARKERS.get(call_format, ())) & set(
+            getattr(self.state.tokenizer, "all_special_tokens", ())
+        )
+        forced = self.tools.grammar(call_format, special)
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
         kwargs = {**self.state.settings.default_chat_template_kwargs}

@@ -13,6 +13,7 @@ constraints kept), any other value JSON of the parameter's schema.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from tandem.server.errors import bad_request
@@ -64,22 +65,28 @@ _MESSAGE = {
 
 
 def forced_calls_grammar(
-    call_format: str, funcs: list[tuple[int, dict[str, Any]]], parallel: bool
+    call_format: str,
+    funcs: list[tuple[int, dict[str, Any]]],
+    parallel: bool,
+    special: frozenset[str] = frozenset(),
 ) -> str:
     """The Lark grammar of one call (``parallel``: one or more) to one of ``funcs`` (each with
     its index among the request's tools, for error messages) in ``call_format``. Raises a 400
-    for a parameters schema a per-argument format cannot write."""
+    for a parameters schema a per-argument format cannot write. ``special``: the format's
+    markers the tokenizer holds as special tokens (GLM-4.5's ``<tool_call>``, ``<arg_key>``,
+    ...): the grammar writes those as the token, which is how the model writes them."""
     if call_format not in _CALL:
         raise ValueError(f"no forced-call grammar for the tool-call format {call_format!r}")
     before, after, between = _CALL[call_format]
     lines: list[str] = []
     for k, (index, f) in enumerate(funcs):
-        lines += _function_rules(call_format, k, index, f)
+        lines += _function_rules(call_format, k, index, f, special)
     names = " | ".join(f"f{k}" for k in range(len(funcs)))
-    lines.insert(0, f"call: {_seq(_lit(before), f'({names})', _lit(after))}")
-    calls = f"call ({_seq(_lit(between), 'call')})*" if parallel else "call"
+    lit = partial(_lit, special=special)
+    lines.insert(0, f"call: {_seq(lit(before), f'({names})', lit(after))}")
+    calls = f"call ({_seq(lit(between), 'call')})*" if parallel else "call"
     head, tail = _MESSAGE.get(call_format, ("", ""))
-    lines.insert(0, f"start: {_seq(_lit(head), calls, _lit(tail))}")
+    lines.insert(0, f"start: {_seq(lit(head), calls, lit(tail))}")
     return "\n".join(lines)
 
 
@@ -87,8 +94,11 @@ def _seq(*items: str) -> str:
     return " ".join(i for i in items if i)
 
 
-def _function_rules(call_format: str, k: int, index: int, f: dict[str, Any]) -> list[str]:
+def _function_rules(
+    call_format: str, k: int, index: int, f: dict[str, Any], special: frozenset[str]
+) -> list[str]:
     name, params = f["name"], f.get("parameters") or {"type": "object"}
+    lit = partial(_lit, special=special)
     if call_format in ("hermes", "llama3_json"):
         key = "parameters" if call_format == "llama3_json" else "arguments"
         call = {
@@ -101,23 +111,24 @@ def _function_rules(call_format: str, k: int, index: int, f: dict[str, Any]) -> 
         }
         return [f"f{k}: {_json(call)}"]
     if call_format == "deepseek_v3":
-        return [f"f{k}: {_lit(name + DS_FENCE_OPEN)} {_json(params)}"]
+        return [f"f{k}: {lit(name + DS_FENCE_OPEN)} {_json(params)}"]
     if call_format == "deepseek_v31":
-        return [f"f{k}: {_lit(name + DS_SEP)} {_json(params)}"]
+        return [f"f{k}: {lit(name + DS_SEP)} {_json(params)}"]
     glm = call_format == "glm45"  # else Qwen3-Coder
-    rules, parts, newline = [], [], _lit("\n")
+    rules, parts, newline = [], [], lit("\n")
     for j, (key, schema, required) in enumerate(_parameters(call_format, index, params)):
         head = f"{GLM_KEY}{key}{GLM_KEY_END}\n{GLM_VALUE}" if glm else f"{QWEN_PARAM}{key}>\n"
         close = GLM_VALUE_END if glm else f"\n{QWEN_PARAM_END}"
-        rules.append(f"a{k}_{j}: {_lit(head)} v{k}_{j} {newline}")
+        rules.append(f"a{k}_{j}: {lit(head)} v{k}_{j} {newline}")
         if is_string_schema(schema):
-            rules.append(f"v{k}_{j}: T{k}_{j}")
-            rules.append(f"T{k}_{j}: {_raw_text(schema, close)}")
+            text, tag = _split_close(close, special)
+            rules.append(f"v{k}_{j}: T{k}_{j}" + (f" {tag}" if tag else ""))
+            rules.append(f"T{k}_{j}: {_raw_text(schema, text, closed_by_token=bool(tag))}")
         else:
-            rules.append(f"v{k}_{j}: {_json(schema)} {_lit(close)}")
+            rules.append(f"v{k}_{j}: {_json(schema)} {lit(close)}")
         parts.append(f"a{k}_{j}" + ("" if required else "?"))
     opener = f"{name}\n" if glm else f"{name}>\n"
-    return [f"f{k}: {' '.join([_lit(opener), *parts])}", *rules]
+    return [f"f{k}: {' '.join([lit(opener), *parts])}", *rules]
 
 
 def _parameters(
@@ -151,10 +162,20 @@ def _parameters(
     return out
 
 
-def _raw_text(schema: dict[str, Any], close: str) -> str:
+def _split_close(close: str, special: frozenset[str]) -> tuple[str, str]:
+    """A closing tag that ends in a special token: (the text before it, the token); else
+    (``close``, "")."""
+    for tag in special:
+        if tag and close.endswith(tag):
+            return close[: -len(tag)], tag
+    return close, ""
+
+
+def _raw_text(schema: dict[str, Any], close: str, closed_by_token: bool = False) -> str:
     """A Lark terminal: a string parameter's raw text followed by ``close``, the text not
     holding the closing tag, within the schema's ``enum`` / ``const``, ``pattern`` (searched,
-    as JSON Schema does, unless anchored) and ``minLength`` / ``maxLength``."""
+    as JSON Schema does, unless anchored) and ``minLength`` / ``maxLength``.
+    ``closed_by_token``: a special token follows (text never holds one: no exclusion)."""
     end = _re(close)
     terms = []
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
@@ -177,8 +198,9 @@ def _raw_text(schema: dict[str, Any], close: str) -> str:
     if isinstance(low, int) or isinstance(high, int):
         count = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
         terms.append(f"/(?s:.{{{count}}}){end}/")
-    tag = _re(close.lstrip("\n"))
-    terms.append(f"~/(?s:.*){tag}(?s:.+)/")
+    if not closed_by_token:
+        tag = _re(close.lstrip("\n"))
+        terms.append(f"~/(?s:.*){tag}(?s:.+)/")
     return " & ".join(terms)
 
 
@@ -187,9 +209,17 @@ def _re(text: str) -> str:
     return "".join(c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):02X}}}" for c in text)
 
 
-def _lit(text: str) -> str:
-    """A Lark string literal (JSON's escapes); nothing for no text."""
-    return json.dumps(text) if text else ""
+def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
+    """A Lark string literal (JSON's escapes), the ``special`` markers in it written as their
+    tokens (``<tool_call>`` unquoted); nothing for no text."""
+    if not text:
+        return ""
+    for tag in sorted(special, key=len, reverse=True):
+        at = text.find(tag) if tag else -1
+        if at >= 0:
+            parts = (_lit(text[:at], special), tag, _lit(text[at + len(tag) :], special))
+            return _seq(*parts)
+    return json.dumps(text)
 
 
 def _json(schema: Any) -> str:

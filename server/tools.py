@@ -77,9 +77,12 @@ class ToolPlan:
     def parser(self, template: str | None, override: str | None) -> ToolParser:
         return make_parser(self.call_format(template, override), self.names, self.schemas)
 
-    def grammar(self, call_format: str = "hermes") -> StructuredSpec | None:
+    def grammar(
+        self, call_format: str = "hermes", special: frozenset[str] = frozenset()
+    ) -> StructuredSpec | None:
         """The Lark grammar of forced calls written in ``call_format`` (None unless
-        ``required`` / a named function); server/tool_grammar.py."""
+        ``required`` / a named function), ``special`` markers as their tokens;
+        server/tool_grammar.py."""
         if not self.forced:
             return None
         funcs = [
@@ -87,7 +90,7 @@ class ToolPlan:
             for i, t in enumerate(self.tools)
             if self.forced_name in (None, t["function"]["name"])
         ]
-        text = forced_calls_grammar(call_format, funcs, self.parallel)
+        text = forced_calls_grammar(call_format, funcs, self.parallel, special)
         return StructuredSpec("grammar", text, "tools")
 
     def system_prompt(self, call_format: str = "hermes") -> str:

@@ -361,3 +361,59 @@ def test_forced_calls_under_speculation_parse_and_equal_greedy_without(
         assert out.outputs[0].text == base.outputs[0].text, fmt
     for i, out in enumerate(outs):
         _check_forced(FORMATS[i % len(FORMATS)], out)
+
+
+GLM_SPECIAL = (
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+)
+
+
+class _BytesAndMarkers(_Bytes):
+    """The byte tokenizer plus GLM-4.5's markers as special tokens (as its tokenizer has them)."""
+
+    tokens = [*_Bytes.tokens, *(m.encode() for m in GLM_SPECIAL)]
+    special_token_ids = [256, *range(257, 257 + len(GLM_SPECIAL))]
+
+
+def test_markers_the_tokenizer_holds_as_special_tokens_are_written_as_those_tokens() -> None:
+    """GLM-4.5's tokenizer holds <tool_call>, <arg_key>, ... as special tokens: the forced
+    grammar takes each marker as its token (the model's way of writing it), never spelled out
+    in bytes; the values between them stay free text."""
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesAndMarkers()))
+    spec = plan(False).grammar("glm45", frozenset(GLM_SPECIAL))
+    assert spec is not None
+
+    def ids(text: str) -> list[int]:  # markers as their tokens, the rest as bytes
+        out: list[int] = []
+        while text:
+            marker = next((m for m in GLM_SPECIAL if text.startswith(m)), None)
+            if marker is not None:
+                out.append(257 + GLM_SPECIAL.index(marker))
+                text = text[len(marker) :]
+            else:
+                out.extend(text[0].encode())
+                text = text[1:]
+        return out
+
+    def accepted(tokens: list[int]) -> bool:
+        matcher = llguidance.LLMatcher(ll, to_grammar(spec), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return (
+            matcher.validate_tokens(tokens) == len(tokens)
+            and matcher.consume_tokens(tokens)
+            and matcher.is_accepting()
+        )
+
+    for name, args in GOOD:
+        text = write("glm45", [(name, args)])
+        assert accepted(ids(text)), text
+        assert not accepted(list(text.encode())), text  # the markers spelled in bytes
+        assert parsed("glm45", text) == [(name, args)]
+    # Without the special set the grammar is the byte-spelled one (a tokenizer without them).
+    plain = plan(False).grammar("glm45")
+    assert plain is not None and "<tool_call>" not in plain.text.replace('"<tool_call>', "")
