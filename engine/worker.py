@@ -14,6 +14,7 @@ from tandem.engine.graph_runner import GraphRunner
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
+from tandem.engine.speculative.draft_model import DraftModelDecoder
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
 from tandem.engine.structured_output import GrammarCompiler
@@ -189,6 +190,8 @@ class Worker:
                     config.cache_config.block_size,
                     self.model.attention_layers(),
                 )
+            elif sc.method == "draft_model":
+                spec = DraftModelDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             else:
                 spec = SpecDecoder(draft, sc, self.mapping, config.cache_config.block_size)
             if sc.method == "eagle3":

@@ -175,12 +175,17 @@ def load_draft(
     device: str | torch.device,
     mapping: ParallelMapping | None = None,
 ) -> nn.Module:
-    """Build and load the draft head named by a ``SpeculativeConfig``, bound to ``target``."""
+    """Build and load the draft head named by a ``SpeculativeConfig``, bound to ``target`` (or
+    for method ``draft_model`` the draft model, models/draft_model.py)."""
     from tandem.models.eagle3 import Eagle3Draft
     from tandem.models.eagle3_layout import read_eagle3_config
     from tandem.models.mtp import MTPDraft
 
     mapping = mapping or ParallelMapping()
+    if spec.method == "draft_model":  # a whole causal LM, not a head bound to the target
+        from tandem.models.draft_model import load_draft_model
+
+        return load_draft_model(spec, target, target_path, dtype, device, mapping)
     target_config = target.config
     if spec.method == "eagle3":
         folder = spec.model
