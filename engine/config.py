@@ -255,9 +255,18 @@ class CUDAGraphConfig:
             )
 
 
-SPEC_METHODS = ("eagle3", "mtp", "ngram", "draft_model")
-DRAFTLESS_METHODS = ("ngram",)  # drafts from the request's own text: no draft model
+SPEC_METHODS = ("eagle3", "mtp", "ngram", "draft_model", "suffix")
+# Drafts from the requests' own text (suffix: and recent outputs): no draft model.
+DRAFTLESS_METHODS = ("ngram", "suffix")
 NGRAM_DEFAULT_LOOKUP = 5  # prompt_lookup_min / _max when neither is given (as vLLM)
+# method "suffix": each key's default (engine/speculative/suffix.py).
+SUFFIX_DEFAULTS: dict[str, Any] = {
+    "suffix_max_tree_nodes": 16,
+    "suffix_min_probability": 0.1,
+    "suffix_max_spec_factor": 1.0,
+    "suffix_max_match_length": 16,
+    "suffix_max_cached_requests": 64,
+}
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT_VOCABS = ("auto", "full")
 DRAFT_QUANTIZATIONS = ("none", "int8")
@@ -332,6 +341,17 @@ class SpeculativeConfig:
     # then equals num_speculative_tokens, its default).
     topk: int = 1
     num_draft_tokens: int | None = None
+    # method "suffix": a draft tree (num_speculative_tokens deep) from counts of what followed
+    # the request's latest tokens in its own text and in recent outputs: at most
+    # suffix_max_tree_nodes nodes, each of estimated probability >= suffix_min_probability, at
+    # most suffix_max_spec_factor * (matched tokens) deep; matches of at most
+    # suffix_max_match_length tokens; the outputs of the last suffix_max_cached_requests
+    # finished requests are kept (0: none). None: SUFFIX_DEFAULTS.
+    suffix_max_tree_nodes: int | None = None
+    suffix_min_probability: float | None = None
+    suffix_max_spec_factor: float | None = None
+    suffix_max_match_length: int | None = None
+    suffix_max_cached_requests: int | None = None
     # method "draft_model": the draft model's tensor-parallel size, 1 (replicated on every
     # rank) or the target's (sharded like it); None: the target's.
     draft_tensor_parallel_size: int | None = None
@@ -373,6 +393,7 @@ class SpeculativeConfig:
         if self.method == "eagle3" and self.mtp_mode != "eagle":
             raise ValueError("speculative_config.mtp_mode applies to method 'mtp' only")
         self._check_ngram()
+        self._check_suffix()
         self._check_draft_model()
         self._check_schedule()
         n = self.disable_by_batch_size
@@ -464,6 +485,91 @@ class SpeculativeConfig:
                 "has no draft model; topk > 1 draft trees need a draft head)"
             )
 
+    def _check_suffix(self) -> None:
+        keys = list(SUFFIX_DEFAULTS)
+        if self.method != "suffix":
+            given = [key for key in keys if getattr(self, key) is not None]
+            if given:
+                raise ValueError(
+                    f"speculative_config: {', '.join(given)} apply to method 'suffix' only"
+                )
+            return
+        for key in keys:
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, SUFFIX_DEFAULTS[key])
+
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def integer(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        from tandem.engine.speculative.tree import MAX_TREE_ROWS
+
+        n = self.suffix_max_tree_nodes
+        _require(
+            integer(n) and 1 <= n <= MAX_TREE_ROWS - 1,
+            "speculative_config.suffix_max_tree_nodes",
+            n,
+            f"an integer in [1, {MAX_TREE_ROWS - 1}] (the root and the nodes are verified as at "
+            f"most {MAX_TREE_ROWS} rows)",
+        )
+        k = self.num_speculative_tokens
+        if integer(k) and n < k:
+            raise ValueError(
+                f"speculative_config.suffix_max_tree_nodes ({n}) must be >= "
+                f"num_speculative_tokens ({k}), the tree's depth"
+            )
+        p = self.suffix_min_probability
+        _require(
+            number(p) and 0 <= p <= 1,
+            "speculative_config.suffix_min_probability",
+            p,
+            "a number in [0, 1]",
+        )
+        f = self.suffix_max_spec_factor
+        _require(
+            number(f) and f > 0 and math.isfinite(f),
+            "speculative_config.suffix_max_spec_factor",
+            f,
+            "a positive number (drafts per matched token)",
+        )
+        m = self.suffix_max_match_length
+        _require(
+            integer(m) and 1 <= m <= 64,
+            "speculative_config.suffix_max_match_length",
+            m,
+            "an integer in [1, 64]",
+        )
+        c = self.suffix_max_cached_requests
+        _require(
+            integer(c) and c >= 0,
+            "speculative_config.suffix_max_cached_requests",
+            c,
+            "a non-negative integer (0: no outputs kept)",
+        )
+        if self.draft_len_schedule:
+            raise ValueError(
+                "speculative_config: a num_speculative_tokens schedule does not apply to method "
+                "'suffix' (its tree's size follows each match; give one depth)"
+            )
+        # Keys of draft models and head trees: refused rather than ignored.
+        given = {
+            "model": self.model is not None,
+            "mtp_mode": self.mtp_mode != "eagle",
+            "draft_dtype": self.draft_dtype != "auto",
+            "draft_quantization": self.draft_quantization != "none",
+            "disable_draft_row_pick": self.disable_draft_row_pick,
+            "topk": self.topk != 1,
+            "num_draft_tokens": self.num_draft_tokens is not None,
+        }
+        wrong = [key for key, set_ in given.items() if set_]
+        if wrong:
+            raise ValueError(
+                f"speculative_config: {', '.join(wrong)} do not apply to method 'suffix' (it has "
+                "no draft model; its tree's size is suffix_max_tree_nodes)"
+            )
+
     def _check_draft_model(self) -> None:
         tp = self.draft_tensor_parallel_size
         if self.method != "draft_model":
@@ -540,6 +646,8 @@ class SpeculativeConfig:
     def _check_tree(self) -> None:
         from tandem.engine.speculative.tree import check_tree_shape
 
+        if self.method == "suffix":
+            return  # the engine's tree: _check_suffix
         k = self.num_speculative_tokens
         if self.num_draft_tokens is None and isinstance(self.topk, int) and self.topk == 1:
             object.__setattr__(self, "num_draft_tokens", k)  # the chain's
@@ -569,7 +677,7 @@ class SpeculativeConfig:
 
     @property
     def is_tree(self) -> bool:
-        return self.topk > 1
+        return self.topk > 1 or self.method == "suffix"
 
     @property
     def kv_lookahead(self) -> int:
@@ -577,6 +685,10 @@ class SpeculativeConfig:
         tree's draft writes its frontier nodes, (K - 1) * topk rows, after the new root, which
         sits up to K + 1 rows past the verified root."""
         k = self.num_speculative_tokens
+        if self.method == "suffix":
+            # Its N nodes' verify rows (N past the root, whatever the room left); a captured
+            # step's dummy request is sized as a chain of N drafts (dummy_kv_tokens): 2N.
+            return 2 * int(self.suffix_max_tree_nodes or 0)
         if not self.is_tree:
             return 2 * k
         # The verify rows of a whole tree may pass max_tokens (its nodes deeper than the room

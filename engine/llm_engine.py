@@ -18,6 +18,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.speculative.adaptive import AdaptiveDepth
 from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
+from tandem.engine.speculative.suffix import SuffixProposer, pad_tree
 from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
 from tandem.engine.structured_output import StepMasks, StructuredOutputManager, StructuredSpec
@@ -57,6 +58,20 @@ class LLMEngine:
             if sc is not None and sc.method == "ngram"
             else None
         )
+        # Suffix decoding: draft trees proposed here as well, from counts over each request's
+        # text and recent outputs (engine/speculative/suffix.py).
+        self.suffix = (
+            SuffixProposer(
+                sc.num_speculative_tokens,
+                sc.suffix_max_tree_nodes,
+                sc.suffix_min_probability,
+                sc.suffix_max_spec_factor,
+                sc.suffix_max_match_length,
+                sc.suffix_max_cached_requests,
+            )
+            if sc is not None and sc.method == "suffix"
+            else None
+        )
         # Captured steps have K drafts per request (GraphKey): with graphs, n-gram drafts shorter
         # than K are padded (verified like any draft; at most one more forward row each).
         self.pad_ngram = graph_mode(config.device, config.graph_config.enforce_eager) is not None
@@ -72,7 +87,7 @@ class LLMEngine:
         # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them. N-gram
         # drafting keeps no draft KV.
         # A draft model's KV at a position depends on the tokens up to it only.
-        follow = 0 if sc is None or sc.method in ("ngram", "draft_model") else 1
+        follow = 0 if sc is None or sc.method in ("ngram", "draft_model", "suffix") else 1
         follow = self.num_spec_tokens if self.vanilla_mtp else follow
         self.block_managers = [
             BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, follow)
@@ -201,6 +216,8 @@ class LLMEngine:
             self.structured.forget(rid)
             if self.ngram is not None:
                 self.ngram.forget(rid)
+            if self.suffix is not None:
+                self.suffix.forget(rid)
             if self.adaptive is not None:
                 self.adaptive.pop(rid, None)
 
@@ -260,6 +277,7 @@ class LLMEngine:
                     ),
                     token_bitmask=bitmask,
                     max_draft_depth=r.spec_max_depth if s.num_drafts and self.tree_drafts else None,
+                    draft_parents=r.spec_parents[: s.num_drafts] if self.suffix else [],
                     **self._min_tokens_ban(r, sample),
                 )
             )
@@ -355,7 +373,16 @@ class LLMEngine:
                     )
                     - 1
                 )
-                if self.tree_drafts:
+                if self.suffix is not None:
+                    # Suffix trees: cut to the room left; where graphs run, filled to the
+                    # captured node count (a filler is never accepted).
+                    tree = self.suffix.propose(rid, request.all_token_ids, min(room, k_step))
+                    drafts, request.spec_parents = tree.tokens, tree.parents
+                    if self.pad_ngram and room > 0 and k_step == self.num_spec_tokens:
+                        n = self.suffix.max_nodes
+                        drafts, request.spec_parents = pad_tree(tree, request.all_token_ids[-1], n)
+                    request.spec_max_depth = room
+                elif self.tree_drafts:
                     # Tree nodes are ordered by depth, not along one path: keep the whole tree
                     # and let verification skip the nodes deeper than the room left (and, for a
                     # constrained request, never accept a node its grammar forbids).
@@ -382,6 +409,8 @@ class LLMEngine:
                 self.structured.forget(rid)
                 if self.ngram is not None:
                     self.ngram.forget(rid)
+                if self.suffix is not None:  # its output joins the cached outputs
+                    self.suffix.finish(rid, request.output_token_ids)
                 if self.adaptive is not None:
                     self.adaptive.pop(rid, None)
         # Prefill chunks that sampled nothing this step.

@@ -49,6 +49,9 @@ class RequestStep:
     # Draft trees: verify only the nodes at most this deep (the tokens left before max_tokens or
     # max_model_len); None: every node.
     max_draft_depth: int | None = None
+    # Draft trees the engine proposes (method "suffix"): each draft's parent (its index among
+    # the drafts, -1: the root), parents first; [] otherwise.
+    draft_parents: list[int] = field(default_factory=list)
     # min_tokens: the next min_tokens_left tokens (verified positions and drafts) may not be
     # one of stop_token_ids (EOS unless ignore_eos, and the request's stop_token_ids).
     min_tokens_left: int = 0

@@ -15,6 +15,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.draft_model import DraftModelDecoder
+from tandem.engine.speculative.suffix_decoder import SuffixTreeDecoder
 from tandem.engine.speculative.tree_decoder import TreeDecoder
 from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
 from tandem.engine.structured_output import GrammarCompiler
@@ -178,7 +179,11 @@ class Worker:
         spec = None
         capture: tuple[int, ...] = ()
         sc = config.speculative_config
-        if sc is not None and not sc.has_draft_model:
+        if sc is not None and sc.method == "suffix":  # the engine's trees, verified here
+            spec = SuffixTreeDecoder(
+                sc, self.mapping, config.cache_config.block_size, self.model.attention_layers()
+            )
+        elif sc is not None and not sc.has_draft_model:
             spec = DraftlessDecoder(sc, self.mapping, config.cache_config.block_size)
         elif sc is not None:
             draft = load_draft(sc, self.model, mc.model, mc.dtype, config.device, self.mapping)

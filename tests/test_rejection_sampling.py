@@ -100,6 +100,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # its n-grams recur: drafts after every first token
 
 
+@pytest.fixture(scope="module")
+def repeating_plain(models: tuple[Path, Path]) -> list[np.ndarray]:
+    """Positions 1 and 2 after REPEATING without speculation at temperature 0.8: the reference
+    of the n-gram and suffix tests (one run of N samples for both)."""
+    target, _ = models
+    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
+    with LLM(str(target), max_num_seqs=1024, max_model_len=32, max_num_batched_tokens=4096) as llm:
+        toks = np.array([o.outputs[0].token_ids for o in llm.generate([REPEATING] * N, params)])
+    return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)]
+
+
 def _ngram_histograms(target: Path, params: SamplingParams) -> tuple[list, float]:
     with LLM(
         str(target),
@@ -118,16 +129,14 @@ def _ngram_histograms(target: Path, params: SamplingParams) -> tuple[list, float
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ngram_positions_match_plain_sampling(
-    models: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+    models: tuple[Path, Path], repeating_plain: list[np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """N-gram drafts are a point mass: accepted with probability p(d), else the token is drawn
     from p without d. Positions 1 and 2 are distributed as without speculation at temperature
     0.8; the same test rejects a rule that accepts every draft (power)."""
     target, _ = models
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
-    with LLM(str(target), max_num_seqs=1024, max_model_len=32, max_num_batched_tokens=4096) as llm:
-        toks = np.array([o.outputs[0].token_ids for o in llm.generate([REPEATING] * N, params)])
-    plain = [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)]
+    plain = repeating_plain
     specd, rate = _ngram_histograms(target, params)
     assert 0.05 < rate < 0.95  # drafts are really accepted and rejected
     for j in range(2):
@@ -140,4 +149,106 @@ def test_ngram_positions_match_plain_sampling(
 
     monkeypatch.setattr(decoder, "rejection_sample", accept_all)
     wrong, _ = _ngram_histograms(target, params)
+    assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def draft_model(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another model over the same 12 tokens (another seed, one layer): its q differs from the
+    target's p, so drafts are both accepted and rejected."""
+    return build_llama(
+        tmp_path_factory.mktemp("rs-draft") / "m", layers=1, vocab_size=VOCAB, init_std=0.15, seed=5
+    )
+
+
+def _resample_from_p(p, q, drafts, num_drafts, uniform, noise):  # noqa: ANN001, ANN202
+    """A wrong rule: accept with min(1, p / q), but draw a rejected position from p, not from
+    the residual max(0, p - q)."""
+    from tandem.kernels.spec_decode import rejection_sample_reference
+
+    num_accepted, _ = rejection_sample_reference(p, q, drafts, num_drafts, uniform, noise)
+    k = drafts.shape[1]
+    extra = (p / noise).argmax(dim=-1)  # [B, K + 1]: a draw from p at every position
+    padded = torch.cat([drafts, drafts[:, -1:]], dim=1)
+    keep = torch.arange(k + 1, device=p.device)[None, :] < num_accepted[:, None]
+    return num_accepted, torch.where(keep, padded, extra)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_draft_model_positions_match_plain_sampling(
+    models: tuple[Path, Path], draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A separate draft model samples its drafts from its own q (method ``draft_model``):
+    positions 1 and 2 are distributed as without speculation at temperature 0.8; the same test
+    rejects a rule that resamples a rejected position from p instead of the residual
+    (power)."""
+    target, _ = models
+    spec = {"method": "draft_model", "model": str(draft_model), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
+    plain, _ = _histograms(target, None, params)
+    specd, rate = _histograms(target, spec, params)
+    assert 0.2 < rate < 0.95, rate  # drafts are really accepted and rejected
+    for j in range(2):
+        assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
+
+    import tandem.engine.speculative.decoder as decoder
+
+    monkeypatch.setattr(decoder, "rejection_sample", _resample_from_p)
+    wrong, _ = _histograms(target, spec, params)
+    assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6
+
+
+# Suffix trees: every continuation seen (min probability 0), up to 4 nodes: trees with several
+# siblings, from the request's own text and, once requests finish, from their cached outputs.
+SUFFIX = {
+    "method": "suffix",
+    "num_speculative_tokens": 3,
+    "suffix_max_tree_nodes": 4,
+    "suffix_min_probability": 0.0,
+}
+
+
+def _suffix_histograms(target: Path, params: SamplingParams, n: int) -> tuple[list, float]:
+    with LLM(
+        str(target),
+        speculative_config=SUFFIX,
+        max_num_seqs=1024,
+        max_model_len=32,
+        max_num_batched_tokens=4096,
+        seed=1,
+    ) as llm:
+        outs = llm.generate([REPEATING] * n, params)
+        rate = llm.engine.spec_stats.acceptance_rate
+    toks = np.array([o.outputs[0].token_ids for o in outs])
+    return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)], rate
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_suffix_positions_match_plain_sampling(
+    models: tuple[Path, Path], repeating_plain: list[np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suffix-decoding trees are deterministic drafts: at each node the tree rule tries every
+    child x with probability r(x) and otherwise draws from r without it (a point mass q).
+    Positions 1 and 2 (the first verified tree, two levels deep: max_tokens 4) are distributed
+    as without speculation at temperature 0.8; the same test rejects a rule that always accepts
+    a node's first child (power, on a quarter of the samples)."""
+    target, _ = models
+    plain = repeating_plain
+    params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True)
+    specd, rate = _suffix_histograms(target, params, N)
+    assert 0.05 < rate < 0.95, rate  # drafts are really accepted and rejected
+    for j in range(2):
+        assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
+
+    import tandem.engine.speculative.tree_decoder as tree_decoder
+
+    rule = tree_decoder.accept_tree_sampling
+
+    def first_child(tree, p, uniform, noise, q=None):  # noqa: ANN001, ANN202
+        return rule(tree, p, torch.zeros_like(uniform), noise, q)
+
+    monkeypatch.setattr(tree_decoder, "accept_tree_sampling", first_child)
+    wrong, _ = _suffix_histograms(target, params, N // 4)
     assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6

@@ -168,19 +168,7 @@ class TreeDecoder(SpecDecoder):
         sampled = [r for r in requests if r.sample]
         n, d = self.k, self.depth
         dev = layout.rows.device
-        chain = None  # the shape of drafts without one (none, normally): a chain is a tree
-        parents, depths, words = [], [], []
-        for r in sampled:
-            shape = self.shapes.get(r.request_id)
-            if shape is None:
-                chain = chain or _chain_shape(n, dev)
-                shape = chain
-            parents.append(shape[0])
-            depths.append(shape[1])
-            words.append(shape[2])
-        parents_t = torch.stack(parents)  # [B, N]
-        depths_t = torch.stack(depths)
-        words_t = torch.stack(words)  # [B, N + 1]
+        parents_t, depths_t, words_t = self.tree_shapes(sampled, dev)
         m = layout.num_drafts  # [B] nodes carried (the tree, or a prefix of it)
         limit = [d if r.max_draft_depth is None else r.max_draft_depth for r in sampled]
         limit_t = torch.tensor(limit, dtype=torch.int64).to(dev, non_blocking=True)
@@ -215,6 +203,23 @@ class TreeDecoder(SpecDecoder):
         if isinstance(plan, partial):
             plan = partial(plan.func, *plan.args, **{**plan.keywords, "tree_mask": tree_mask})
         inp.target = (positions, dataclasses.replace(meta, tree_mask=tree_mask, plan=plan))
+
+    def tree_shapes(
+        self, sampled: list[Any], device: torch.device
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Each sampled request's tree shape: parents, depths [B, N] and attention words
+        [B, N + 1] of the tree drafted for it (a chain where none was: a chain is a tree)."""
+        chain = None
+        parents, depths, words = [], [], []
+        for r in sampled:
+            shape = self.shapes.get(r.request_id)
+            if shape is None:
+                chain = chain or _chain_shape(self.k, device)
+                shape = chain
+            parents.append(shape[0])
+            depths.append(shape[1])
+            words.append(shape[2])
+        return torch.stack(parents), torch.stack(depths), torch.stack(words)
 
     # ------------------------------------------------------------------ verification
 
