@@ -115,6 +115,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"'{NONE}' skips the row",
     )
     p.add_argument(
+        "--suffix",
+        default="16",
+        metavar="NODES",
+        help="the suffix row's suffix_max_tree_nodes (depth --num-speculative-tokens); "
+        f"'{NONE}' skips the row",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="a draft-model row: a small model with the same tokenizer as the draft",
+    )
+    p.add_argument(
         "--schedule",
         default=None,
         metavar="JSON",
@@ -256,6 +269,20 @@ def _main(ns: argparse.Namespace) -> int:
             raise BenchError(f"--ngram {ns.ngram!r}: expected MIN:MAX, e.g. 1:3") from None
         ngram = {"method": "ngram", "num_speculative_tokens": k}
         ngram.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+    suffix = None
+    if ns.suffix != NONE:
+        try:
+            nodes = int(ns.suffix)
+        except ValueError:
+            raise BenchError(f"--suffix {ns.suffix!r}: expected a node count, e.g. 16") from None
+        suffix = {"method": "suffix", "num_speculative_tokens": k}
+        suffix["suffix_max_tree_nodes"] = nodes
+    draft_model = None
+    if ns.draft_model is not None:
+        if not Path(ns.draft_model).is_dir():
+            raise BenchError(f"--draft-model {ns.draft_model!r} is not a folder")
+        draft_model = {"method": "draft_model", "model": ns.draft_model}
+        draft_model["num_speculative_tokens"] = k
     schedule = None
     if ns.schedule is not None:
         try:
@@ -313,8 +340,10 @@ def _main(ns: argparse.Namespace) -> int:
         add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
         methods = [("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)]
         methods.append(("ngram", ngram, f"skipped (--ngram {NONE})"))
+        methods.append(("suffix", suffix, f"skipped (--suffix {NONE})"))
+        methods.append(("draft_model", draft_model, "no --draft-model given"))
         for method, chain, why in methods:
-            if schedule is not None and chain is not None:
+            if schedule is not None and chain is not None and method != "suffix":
                 name = f"tandem + {method} (adaptive, schedule {json.dumps(schedule)})"
                 spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
                 spec.pop("disable_by_batch_size", None)
@@ -322,7 +351,7 @@ def _main(ns: argparse.Namespace) -> int:
                     name,
                     lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
                 )
-            for topk, n in [(1, k), *trees] if method != "ngram" else [(1, k)]:
+            for topk, n in [(1, k), *trees] if method in ("eagle3", "mtp") else [(1, k)]:
                 how = [f"K={k}"] + ([f"topk {topk} N {n}"] if topk > 1 else [])
                 if ns.draft_quantization != "none":
                     how.append(ns.draft_quantization)

@@ -2,12 +2,12 @@
 serve as a target, with the target's tokenizer, loaded with its own paged KV cache beside the
 target's (the same block tables), sharded like the target or replicated on every rank.
 
-The draft loop (engine/speculative/draft_model.py) runs it unshifted: its KV slot p holds token
+``load_draft_model`` (models/loader.py) loads it. The draft loop
+(engine/speculative/draft_model.py) runs it unshifted: its KV slot p holds token
 p at position p, as its own ``generate`` would; it reads no target hidden states."""
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -18,10 +18,7 @@ from torch import nn
 from tandem.models.attention import AttentionMetadata, PagedAttention
 from tandem.models.checkpoint import safetensors_files
 from tandem.models.llama import enable_cpu_fast_path
-from tandem.models.loader import load_hf_config, load_model, resolve_draft_dtype
 from tandem.models.parallel import ParallelMapping
-
-logger = logging.getLogger(__name__)
 
 
 class DraftModel(nn.Module):
@@ -105,37 +102,3 @@ def checkpoint_num_params(folder: str | os.PathLike) -> int:
             for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                 n += int(torch.Size(fh.get_slice(name).get_shape()).numel())
     return n
-
-
-def load_draft_model(
-    spec: Any,
-    target: nn.Module,
-    target_path: str | os.PathLike,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    mapping: ParallelMapping,
-) -> DraftModel:
-    """Load ``spec.model`` (a folder) as a draft model for ``target``: refused when its
-    vocabulary size differs from the target's; a draft with more parameters than the target
-    is served, and logged."""
-    folder = spec.model
-    config = load_hf_config(folder)
-    draft_vocab, target_vocab = int(config.vocab_size), int(target.config.vocab_size)
-    if draft_vocab != target_vocab:
-        raise ValueError(
-            f"speculative_config.model {folder}: the draft model's vocab_size ({draft_vocab}) "
-            f"differs from the target's ({target_vocab}); a draft model must use the target's "
-            "tokenizer"
-        )
-    ranks = draft_mapping(spec, mapping)
-    draft_params, target_params = checkpoint_num_params(folder), checkpoint_num_params(target_path)
-    if draft_params > target_params and mapping.is_first_rank:
-        logger.warning(
-            "the draft model (%d parameters) is larger than the target (%d): it is served, but "
-            "drafting may cost more than it saves",
-            draft_params,
-            target_params,
-        )
-    draft_dtype = resolve_draft_dtype(spec, dtype, device, folder)
-    model = load_model(folder, draft_dtype, device, ranks, config)
-    return DraftModel(model, draft_dtype)

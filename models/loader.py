@@ -20,6 +20,7 @@ from tandem.models.checkpoint import (
     safetensors_files,
     stored_float_dtype,
 )
+from tandem.models.draft_model import DraftModel, checkpoint_num_params, draft_mapping
 from tandem.models.parallel import ParallelMapping
 from tandem.models.quantization import (
     dequantize_fp8,
@@ -183,8 +184,6 @@ def load_draft(
 
     mapping = mapping or ParallelMapping()
     if spec.method == "draft_model":  # a whole causal LM, not a head bound to the target
-        from tandem.models.draft_model import load_draft_model
-
         return load_draft_model(spec, target, target_path, dtype, device, mapping)
     target_config = target.config
     if spec.method == "eagle3":
@@ -247,3 +246,37 @@ def load_draft(
     if getattr(spec, "draft_vocab", "auto") == "auto" and d2t is not None:
         draft.use_draft_vocab(d2t)
     return draft.eval()
+
+
+def load_draft_model(
+    spec: Any,
+    target: nn.Module,
+    target_path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    mapping: ParallelMapping,
+) -> DraftModel:
+    """Load ``spec.model`` (a folder) as a draft model for ``target`` (models/draft_model.py): refused when its
+    vocabulary size differs from the target's; a draft with more parameters than the target
+    is served, and logged."""
+    folder = spec.model
+    config = load_hf_config(folder)
+    draft_vocab, target_vocab = int(config.vocab_size), int(target.config.vocab_size)
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"speculative_config.model {folder}: the draft model's vocab_size ({draft_vocab}) "
+            f"differs from the target's ({target_vocab}); a draft model must use the target's "
+            "tokenizer"
+        )
+    ranks = draft_mapping(spec, mapping)
+    draft_params, target_params = checkpoint_num_params(folder), checkpoint_num_params(target_path)
+    if draft_params > target_params and mapping.is_first_rank:
+        logger.warning(
+            "the draft model (%d parameters) is larger than the target (%d): it is served, but "
+            "drafting may cost more than it saves",
+            draft_params,
+            target_params,
+        )
+    draft_dtype = resolve_draft_dtype(spec, dtype, device, folder)
+    model = load_model(folder, draft_dtype, device, ranks, config)
+    return DraftModel(model, draft_dtype)

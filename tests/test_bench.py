@@ -190,7 +190,7 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         [
             "bench", "compare", "--quick", "--model", str(target), "--eagle3", str(eagle3),
             "--assistant-model", str(tiny_model(tmp_path_factory)),
-            "--result-file", str(result),
+            "--draft-model", str(tiny_model(tmp_path_factory)), "--result-file", str(result),
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -203,6 +203,8 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         f"tandem + eagle3 (K={K}, presence_penalty 0.5)",  # what a penalty costs
         f"tandem + mtp (K={K})",
         f"tandem + ngram (K={K})",  # drafts from the prompt's own text: no head
+        f"tandem + suffix (K={K})",  # draft trees from the text and earlier outputs
+        f"tandem + draft_model (K={K})",  # the assistant model as a draft model
     )
     header = next(line for line in out.splitlines() if line.startswith("tokens/s"))
     assert header.split()[1:] == ["batch", "1", "c=1", "c=2", "tok/step"]
@@ -226,13 +228,13 @@ def test_compare_quick_prints_every_row_and_column(tmp_path_factory, tmp_path, c
         assert 1.0 <= by_name[name]["batch1_tokens_per_step"] <= K + 1
     assert by_name["tandem"]["batch1_tokens_per_step"] == 1.0  # one token per plain step
     assert by_name["transformers generate"]["batch1_ms_per_step"] is None  # steps not counted
-    # The per-step table: the five Tandem rows, and what 1.6x would need of each speculative one.
+    # The per-step table: the seven Tandem rows, and what 1.6x would need of each speculative one.
     lines = out.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("batch 1, per decode step"))
     assert lines[at].split()[-4:] == ["ms/step", "tok/step", "cost", "speedup"]
-    assert [line.split()[0] for line in lines[at + 1 : at + 6]] == ["tandem"] * 5
+    assert [line.split()[0] for line in lines[at + 1 : at + 8]] == ["tandem"] * 7
     assert lines[at + 1].split()[-2:] == ["1.00x", "1.00x"]  # plain: its own cost and speedup
-    assert sum("tokens/step at this step cost" in line for line in lines) == 4
+    assert sum("tokens/step at this step cost" in line for line in lines) == 6
     assert data["roofline_tokens_per_s"] > 0 and data["roofline_fraction"] > 0
     # The roofline's bandwidth: probed before and after the one batch-1 prompt (quick).
     probes = data["memory_bandwidth_batch1_probes"]
@@ -446,7 +448,7 @@ def test_compare_holds_every_tandem_row_to_a_json_schema(
     rc = main(
         [
             "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
-            "--eagle3", "none", "--ngram", "none", "--json-schema", str(path),
+            "--eagle3", "none", "--ngram", "none", "--suffix", "none", "--json-schema", str(path),
             "--result-file", str(result),
         ]
     )  # fmt: skip

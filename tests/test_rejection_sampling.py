@@ -103,7 +103,7 @@ REPEATING = [1, 2, 3, 1, 2, 3, 1, 2]  # its n-grams recur: drafts after every fi
 @pytest.fixture(scope="module")
 def repeating_plain(models: tuple[Path, Path]) -> list[np.ndarray]:
     """Positions 1 and 2 after REPEATING without speculation at temperature 0.8: the reference
-    of the n-gram and suffix tests (one run of N samples for both)."""
+    of the n-gram, suffix and draft-model tests (one run of N samples for the three)."""
     target, _ = models
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     with LLM(str(target), max_num_seqs=1024, max_model_len=32, max_num_batched_tokens=4096) as llm:
@@ -111,16 +111,19 @@ def repeating_plain(models: tuple[Path, Path]) -> list[np.ndarray]:
     return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)]
 
 
-def _ngram_histograms(target: Path, params: SamplingParams) -> tuple[list, float]:
+def _repeating_histograms(
+    target: Path, spec: dict, params: SamplingParams, n: int = N
+) -> tuple[list, float]:
+    """Positions 1 and 2 of ``n`` samples after REPEATING under ``spec``, and its acceptance."""
     with LLM(
         str(target),
-        speculative_config=NGRAM,
+        speculative_config=spec,
         max_num_seqs=1024,
         max_model_len=32,
         max_num_batched_tokens=4096,
         seed=1,
     ) as llm:
-        outs = llm.generate([REPEATING] * N, params)
+        outs = llm.generate([REPEATING] * n, params)
         rate = llm.engine.spec_stats.acceptance_rate
     toks = np.array([o.outputs[0].token_ids for o in outs])
     return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)], rate
@@ -133,11 +136,12 @@ def test_ngram_positions_match_plain_sampling(
 ) -> None:
     """N-gram drafts are a point mass: accepted with probability p(d), else the token is drawn
     from p without d. Positions 1 and 2 are distributed as without speculation at temperature
-    0.8; the same test rejects a rule that accepts every draft (power)."""
+    0.8; the same test rejects a rule that accepts every draft (power, on a quarter of the
+    samples)."""
     target, _ = models
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     plain = repeating_plain
-    specd, rate = _ngram_histograms(target, params)
+    specd, rate = _repeating_histograms(target, NGRAM, params)
     assert 0.05 < rate < 0.95  # drafts are really accepted and rejected
     for j in range(2):
         assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
@@ -148,7 +152,7 @@ def test_ngram_positions_match_plain_sampling(
         return num_drafts, torch.cat([drafts, drafts[:, -1:]], dim=1)
 
     monkeypatch.setattr(decoder, "rejection_sample", accept_all)
-    wrong, _ = _ngram_histograms(target, params)
+    wrong, _ = _repeating_histograms(target, NGRAM, params, N // 4)
     assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6
 
 
@@ -177,17 +181,20 @@ def _resample_from_p(p, q, drafts, num_drafts, uniform, noise):  # noqa: ANN001,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_draft_model_positions_match_plain_sampling(
-    models: tuple[Path, Path], draft_model: Path, monkeypatch: pytest.MonkeyPatch
+    models: tuple[Path, Path],
+    draft_model: Path,
+    repeating_plain: list[np.ndarray],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A separate draft model samples its drafts from its own q (method ``draft_model``):
     positions 1 and 2 are distributed as without speculation at temperature 0.8; the same test
     rejects a rule that resamples a rejected position from p instead of the residual
-    (power)."""
+    (power, on a quarter of the samples)."""
     target, _ = models
     spec = {"method": "draft_model", "model": str(draft_model), "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
-    plain, _ = _histograms(target, None, params)
-    specd, rate = _histograms(target, spec, params)
+    plain = repeating_plain
+    specd, rate = _repeating_histograms(target, spec, params)
     assert 0.2 < rate < 0.95, rate  # drafts are really accepted and rejected
     for j in range(2):
         assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
@@ -195,7 +202,7 @@ def test_draft_model_positions_match_plain_sampling(
     import tandem.engine.speculative.decoder as decoder
 
     monkeypatch.setattr(decoder, "rejection_sample", _resample_from_p)
-    wrong, _ = _histograms(target, spec, params)
+    wrong, _ = _repeating_histograms(target, spec, params, N // 4)
     assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6
 
 
