@@ -32,7 +32,7 @@ from tandem.engine.config import EngineArgs
 from tandem.engine.fault_injection import FaultPlan
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.outputs import EngineStats, OutputDelta, OutputEncoder, RequestOutput
-from tandem.engine.process_exit import exit_process
+from tandem.engine.process_exit import exit_process, pace_garbage_collector
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
@@ -335,6 +335,7 @@ def run_engine_core(
     )
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pace_garbage_collector()
     parent_pid = os.getppid()
     try:
         engine = LLMEngine.from_engine_args(engine_args)

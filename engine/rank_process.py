@@ -38,7 +38,7 @@ from tandem.engine.distributed import (
     startup_timeout_s,
 )
 from tandem.engine.multinode import agree_in_world, await_world
-from tandem.engine.process_exit import exit_process
+from tandem.engine.process_exit import exit_process, pace_garbage_collector
 from tandem.engine.step import DPStepInput
 from tandem.engine.worker import Worker
 from tandem.models.device import cpu_threads
@@ -164,6 +164,7 @@ def _spawned_rank_main(
     start_parent_watchdog()
     # Ctrl-C reaches the whole process group; rank 0 (or the node's launcher) stops this rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pace_garbage_collector()
     pc = config.parallel_config
     world, rank = pc.tensor_parallel_size, place.rank
     code = 0
