@@ -608,7 +608,7 @@ class SpeculativeConfig:
         _require(
             isinstance(self.adaptive, bool), "speculative_config.adaptive", self.adaptive, "a bool"
         )
-        if self.adaptive and (self.topk != 1 or self.mtp_mode == "vanilla"):
+        if self.adaptive and (self.is_tree or self.mtp_mode == "vanilla"):
             raise ValueError(
                 "speculative_config.adaptive applies to chains (topk 1) of eagle3, mtp (mode "
                 "'eagle'), ngram and draft_model"

@@ -447,9 +447,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
+    from tandem.engine.process_exit import pace_garbage_collector
     from tandem.server.app import build_app
     from tandem.server.lifecycle import GracefulServer
 
+    pace_garbage_collector()  # as the engine's: requests and their streams are many objects
     level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = engine_args_from(ns)

@@ -195,6 +195,7 @@ def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
         ({"adaptive": "yes"}, "speculative_config.adaptive='yes' is invalid"),
         ({"adaptive": True, "topk": 2, "num_draft_tokens": 4}, "adaptive applies to chains"),
         ({"adaptive": True, "mtp_mode": "vanilla"}, "adaptive applies to chains"),
+        ({"adaptive": True, "method": "suffix"}, "adaptive applies to chains"),  # trees
     ],
 )
 def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:
