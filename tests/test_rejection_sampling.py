@@ -216,21 +216,6 @@ SUFFIX = {
 }
 
 
-def _suffix_histograms(target: Path, params: SamplingParams, n: int) -> tuple[list, float]:
-    with LLM(
-        str(target),
-        speculative_config=SUFFIX,
-        max_num_seqs=1024,
-        max_model_len=32,
-        max_num_batched_tokens=4096,
-        seed=1,
-    ) as llm:
-        outs = llm.generate([REPEATING] * n, params)
-        rate = llm.engine.spec_stats.acceptance_rate
-    toks = np.array([o.outputs[0].token_ids for o in outs])
-    return [np.bincount(toks[:, j], minlength=VOCAB) for j in (1, 2)], rate
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_suffix_positions_match_plain_sampling(
@@ -244,7 +229,7 @@ def test_suffix_positions_match_plain_sampling(
     target, _ = models
     plain = repeating_plain
     params = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True)
-    specd, rate = _suffix_histograms(target, params, N)
+    specd, rate = _repeating_histograms(target, SUFFIX, params)
     assert 0.05 < rate < 0.95, rate  # drafts are really accepted and rejected
     for j in range(2):
         assert _p_value(plain[j], specd[j]) > 0.01, (j, plain[j], specd[j])
@@ -257,5 +242,5 @@ def test_suffix_positions_match_plain_sampling(
         return rule(tree, p, torch.zeros_like(uniform), noise, q)
 
     monkeypatch.setattr(tree_decoder, "accept_tree_sampling", first_child)
-    wrong, _ = _suffix_histograms(target, params, N // 4)
+    wrong, _ = _repeating_histograms(target, SUFFIX, params, N // 4)
     assert min(_p_value(plain[j], wrong[j]) for j in range(2)) < 1e-6
