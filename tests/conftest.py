@@ -33,7 +33,6 @@ SLOWEST_FIRST = (
     "test_train_draft.py",
     "test_structured_output.py",
     "test_tensor_parallel.py",
-    "test_launch.py",
     "test_reliability_shutdown.py",
     "test_server_speculative.py",
     "test_reliability_fuzz.py",
@@ -43,9 +42,6 @@ SLOWEST_FIRST = (
     "test_attention_dp.py",
     "test_reliability_soak.py",
     "test_data_parallel.py",
-    "test_draft_model.py",
-    "test_suffix.py",
-    "test_spec_schedule.py",
 )
 
 
