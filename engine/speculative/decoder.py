@@ -512,14 +512,9 @@ class SpecDecoder:
         )
 
 
-class DraftlessDecoder(SpecDecoder):
-    """The ranks' side of speculation without a draft model: verification only (n-gram drafts,
-    engine/speculative/ngram.py, come with the step's tokens from the engine). No draft
-    layers, no draft KV cache, no draft loop."""
-
-    def __init__(self, config: Any, mapping: ParallelMapping, block_size: int) -> None:
-        super().__init__(None, config, mapping, block_size)  # type: ignore[arg-type]
-        self.lm_head_tp = False  # verification is the same on every path: nothing to sync
+class EngineDrafted:
+    """For decoders whose drafts come from the engine with the step's tokens (n-gram chains,
+    suffix trees): no draft layers, so no draft KV to write and nothing to propose."""
 
     def write_prompt_kv(self, inp: Any, step_tokens: Tensor, draft_hidden: Tensor) -> None:
         return None
@@ -553,3 +548,13 @@ class DraftlessDecoder(SpecDecoder):
     ) -> Tensor:
         """No drafts from the ranks: [B, 0]."""
         return tokens.new_empty((tokens.shape[0], 0))
+
+
+class DraftlessDecoder(EngineDrafted, SpecDecoder):
+    """The ranks' side of speculation without a draft model: verification only (n-gram drafts,
+    engine/speculative/ngram.py, come with the step's tokens from the engine). No draft
+    layers, no draft KV cache, no draft loop."""
+
+    def __init__(self, config: Any, mapping: ParallelMapping, block_size: int) -> None:
+        SpecDecoder.__init__(self, None, config, mapping, block_size)  # type: ignore[arg-type]
+        self.lm_head_tp = False  # verification is the same on every path: nothing to sync

@@ -17,12 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tandem.engine.sampler import SamplingTensors
-from tandem.engine.speculative.decoder import SpecDecoder
-from tandem.engine.speculative.draft_grammar import DraftMask
-from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
+from tandem.engine.speculative.decoder import EngineDrafted, SpecDecoder
 from tandem.engine.speculative.tree_decoder import TreeDecoder
-from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping
 
 __all__ = ["SuffixTreeDecoder", "tree_rows"]
@@ -49,7 +45,7 @@ def tree_rows(parents: list[int], num_nodes: int, max_depth: int) -> tuple[list[
     return parents, depths, [w - (1 << 64) if w >= _SIGN else w for w in words]
 
 
-class SuffixTreeDecoder(TreeDecoder):
+class SuffixTreeDecoder(EngineDrafted, TreeDecoder):
     """``TreeDecoder`` verification of engine-proposed trees: ``k`` = suffix_max_tree_nodes (the
     verify rows are k + 1), ``depth`` = num_speculative_tokens."""
 
@@ -83,36 +79,3 @@ class SuffixTreeDecoder(TreeDecoder):
             rows.append(parents + depths + words)
         flat = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         return flat[:, :n], flat[:, n : 2 * n], flat[:, 2 * n :]
-
-    def write_prompt_kv(self, inp: Any, step_tokens: Tensor, draft_hidden: Tensor) -> None:
-        return None  # no draft layers, no draft KV
-
-    def write_step_kv(
-        self,
-        inp: Any,
-        draft_hidden: Tensor,
-        layout: VerifyLayout,
-        num_accepted: Tensor,
-        tokens: Tensor,
-    ) -> None:
-        return None
-
-    def propose(
-        self,
-        inp: Any,
-        input_ids: Tensor,
-        positions: Tensor,
-        target_meta: AttentionMetadata,
-        draft_hidden: Tensor,
-        next_tokens: Tensor,
-        layout: VerifyLayout,
-        num_accepted: Tensor,
-        tokens: Tensor,
-        st: SamplingTensors,
-        meta: SpecMetadata,
-        request_ids: list[str],
-        draft_mask: DraftMask | None = None,
-        steps: int | None = None,
-    ) -> Tensor:
-        """No drafts from the ranks (the engine proposes the next trees): [B, 0]."""
-        return tokens.new_empty((tokens.shape[0], 0))
