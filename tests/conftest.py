@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from tandem.engine.process_exit import pace_garbage_collector
 from tandem.models.device import cpu_threads
 
 # Measured on 2 cores from a clean clone under `make test` (whole-file wall times, each over
@@ -53,9 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each process (and what it starts: servers, engines) gets its share of
     the cores for its intra-op threads: two processes with a thread per core each spin against
-    each other (the CPU-bound sampling tests ran six times slower). The offline engines of the
-    tests run in this process: its garbage collector keeps the engine process's pace."""
-    pace_garbage_collector()
+    each other (the CPU-bound sampling tests ran six times slower). The test process keeps
+    Python's default collector pace: with the engine's (engine/process_exit.py) a worker's
+    garbage in reference cycles grew past 9 GB and the kernel killed it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = cpu_threads(workers)
