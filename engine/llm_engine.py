@@ -128,12 +128,15 @@ class LLMEngine:
         # ``take_failed`` and never finish normally.
         self.structured = StructuredOutputManager(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         # Offline requests are checked in this process: with the same compiler, once per grammar.
-        self.input_processor.share_grammars(lambda: self.structured.compiler)
+        # The callbacks hold the manager, not the engine: a cycle through the engine would keep
+        # its model and KV cache alive after the last reference until a full collection.
+        structured = self.structured
+        self.input_processor.share_grammars(lambda: structured.compiler)
         grammars = self.executor.worker.runner.grammars
         if grammars is not None:
             # The rank in this process masks drafts with the engine's compiler (a request's
             # grammar is compiled before it is scheduled); rank processes build their own.
-            grammars.use_compiler(lambda: self.structured.compiler)
+            grammars.use_compiler(lambda: structured.compiler)
         self.failed: list[tuple[str, str]] = []
         self.new_grammars: list[StructuredSpec] = []  # see _send_grammars
         self.bitmask_width = -(-max(mc.vocab_size, len(self.tokenizer)) // 32)

@@ -281,7 +281,9 @@ class CpuStackFastPath:
     large batches, training)."""
 
     def __init__(self, model: LlamaModel) -> None:
-        self.model = model
+        # The embedding and the final norm, not the model: the model holds this object, and a
+        # cycle would keep the weights alive past the last reference (until a full collection).
+        self.embed_tokens, self.norm = model.embed_tokens, model.norm
         layer0 = model.layers[0]
         attn = layer0.self_attn
         self.dtype = model.norm.weight.dtype
@@ -336,11 +338,11 @@ class CpuStackFastPath:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         caches = [c for a in self.attention for c in (a.k_cache, a.v_cache)]
         out = cpu_decode.llama_stack(
-            self.model.embed_tokens(input_ids).contiguous(),
+            self.embed_tokens(input_ids).contiguous(),
             fast_step_rows(positions, meta),
             self.weights,
             caches,
-            self.model.norm.weight.detach(),
+            self.norm.weight.detach(),
             self.rope.cos_sin,
             (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,

@@ -85,7 +85,9 @@ class MTPFastPath(FastDraftLayer):
 
     def __init__(self, layer: MTPLayer) -> None:
         super().__init__(layer, CpuStackFastPath.layer_weights(layer), (1, 2, 4, 5))
-        self.layer = layer
+        # Its parts, not the layer (which holds this object: no cycle, see CpuStackFastPath).
+        self.eh_proj, self.enorm, self.hnorm = layer.eh_proj, layer.enorm, layer.hnorm
+        self.final_norm = layer.shared_head.norm
 
     def __call__(
         self,
@@ -95,15 +97,14 @@ class MTPFastPath(FastDraftLayer):
         meta: AttentionMetadata,
         pick_rows: torch.Tensor | None,
     ) -> torch.Tensor:
-        layer = self.layer
-        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         caches = [self.attention.k_cache, self.attention.v_cache]
         _, out = cpu_decode.llama_stack(
             x.contiguous(),
             fast_step_rows(positions, meta),
             self.weights,
             caches,
-            layer.shared_head.norm.weight.detach(),
+            self.final_norm.weight.detach(),
             self.rope.cos_sin,
             (*self.shape, caches[0].shape[1], self.intermediate),
             self.eps,

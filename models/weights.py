@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -105,6 +107,16 @@ def default_weight_loader(param: nn.Parameter, loaded: Any, shard_id: Any = None
 
 
 def set_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
+    """``param.weight_loader = loader``; a module's own method is held weakly (the module holds
+    the parameter: a strong method would make a cycle that keeps the module's weights alive
+    past the last reference, until a full collection)."""
+    if inspect.ismethod(loader):
+        method = weakref.WeakMethod(loader)
+
+        def call_method(*args: Any, **kwargs: Any) -> Any:
+            return method()(*args, **kwargs)  # type: ignore[misc]
+
+        loader = call_method
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
 

@@ -279,3 +279,45 @@ def test_host_rows_reads_every_part_in_its_own_dtype() -> None:
     assert got[2] == [[1], [0]] and got[3] == [[2**53 + 1], [7]]
     assert all(type(v) is int for row in got[0] for v in row)
     assert host_rows(torch.empty(0, 3), ids[:0]) == [[], []]
+
+
+@pytest.mark.parametrize("method", ["none", "mtp", "eagle3"])
+def test_the_last_reference_frees_the_weights_and_the_kv_cache(tmp_path: Path, method: str) -> None:
+    """No reference cycle holds an engine: its weights and KV cache go with the last reference,
+    without a garbage collection (a process that paces its collector, or runs several engines
+    one after another, would hold every old one's memory until a full collection)."""
+    import gc
+    import shutil
+    import weakref
+
+    from checkpoints import add_mtp_layers, build_eagle3_draft
+
+    target = build_llama(tmp_path / "llama")
+    spec = None
+    if method == "mtp":
+        shutil.copytree(target, tmp_path / "mtp")
+        target = tmp_path / "mtp"
+        add_mtp_layers(target, 1)
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+    elif method == "eagle3":
+        draft = build_eagle3_draft(tmp_path / "eagle3", target, draft_vocab=160)
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(str(target), max_model_len=128, speculative_config=spec)
+        llm.generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.8))
+        runner = llm.engine.executor.worker.runner
+        draft = runner.spec.draft if runner.spec is not None else None
+        assert (draft is None) == (spec is None)
+        modules = [runner.model] + ([draft] if draft is not None else [])
+        tensors = [p for m in modules for p in m.parameters()]
+        tensors += [a.k_cache for m in modules for a in m.attention_layers()]
+        refs = [weakref.ref(t) for t in tensors]
+        del tensors, modules, draft, runner
+        llm.shutdown()
+        del llm
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    assert refs and alive == 0, f"{alive} of {len(refs)} tensors outlived the engine"
