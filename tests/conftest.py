@@ -4,12 +4,20 @@ is left for the end while the other processes idle (longest first keeps them bal
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
+from tandem.engine.process_exit import pace_garbage_collector
 from tandem.models.device import cpu_threads
+
+# A full collection after a test whose process grew by more than this since the last one: the
+# test process paces its collector like the engine's, and what garbage cycles still hold (a
+# library's, a test's) must not pile up until the kernel stops a worker.
+COLLECT_AFTER_GROWTH_BYTES = 1 << 30
+_rss_after_collect = 0
 
 # Measured on 2 cores from a clean clone under `make test` (whole-file wall times, each over
 # 15 s, slowest first); every other file follows in its usual order.
@@ -52,11 +60,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each process (and what it starts: servers, engines) gets its share of
     the cores for its intra-op threads: two processes with a thread per core each spin against
-    each other (the CPU-bound sampling tests ran six times slower). The test process keeps
-    Python's default collector pace: with the engine's (engine/process_exit.py) a worker's
-    garbage in reference cycles grew past 9 GB and the kernel killed it."""
+    each other (the CPU-bound sampling tests ran six times slower). The offline engines of the
+    tests run in this process: its collector keeps the engine process's pace (Python's default
+    pace cost the suite some 200 s of CPU), bounded by ``pytest_runtest_teardown``."""
+    pace_garbage_collector()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = cpu_threads(workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A full collection once the process grew ``COLLECT_AFTER_GROWTH_BYTES`` since the last."""
+    global _rss_after_collect
+    if _rss_bytes() > _rss_after_collect + COLLECT_AFTER_GROWTH_BYTES:
+        gc.collect()
+        _rss_after_collect = _rss_bytes()
