@@ -86,3 +86,37 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if _rss_bytes() > _rss_after_collect + COLLECT_AFTER_GROWTH_BYTES:
         gc.collect()
         _rss_after_collect = _rss_bytes()
+
+
+# TANDEM_TEST_CPU_LOG=path: each test process appends a line per test file to ``path``: its wall
+# seconds, its own CPU seconds and those of the processes it started and reaped (servers, ranks,
+# pip), to find what to cut as the suite grows (``--durations`` shows wall time only).
+_CPU_LOG = os.environ.get("TANDEM_TEST_CPU_LOG")
+_current: list = []  # [file, wall, own CPU, children's CPU] at the file's first test
+
+
+def _clock() -> tuple[float, float, float]:
+    import resource
+    import time
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _log_file_cpu() -> None:
+    if _CPU_LOG and _current:
+        name, *start = _current
+        wall, own, kids = (now - then for now, then in zip(_clock(), start, strict=True))
+        with open(_CPU_LOG, "a") as f:
+            f.write(f"{wall:8.1f} {own:8.1f} {kids:8.1f} {name}\n")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _CPU_LOG and (not _current or _current[0] != item.path.name):
+        _log_file_cpu()
+        _current[:] = [item.path.name, *_clock()]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _log_file_cpu()
