@@ -16,7 +16,7 @@ from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from tandem.engine.speculative.adaptive import AdaptiveDepth
+from tandem.engine.speculative.adaptive import POSITION_COST, AdaptiveDepth, loop_depth
 from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.suffix import SuffixProposer, pad_tree
 from tandem.engine.speculative.tree import verified_nodes
@@ -103,10 +103,18 @@ class LLMEngine:
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.spec_stats = SpecStats()
         self.steps_by_draft_len: dict[int, int] = {}  # see EngineStats.spec_steps_by_draft_len
-        # "adaptive": each request's draft length from its own acceptance.
+        # "adaptive": each request's draft length from its own acceptance; the draft loop's
+        # length is any up to K, or where graphs run one they hold (K and the schedule's:
+        # graph_runner.draft_lens_of).
         self.adaptive: dict[str, AdaptiveDepth] | None = (
             {} if sc is not None and sc.adaptive else None
         )
+        self.captured_draft_lens: tuple[int, ...] = ()
+        if sc is not None and self.pad_ngram:
+            ks = {sc.num_speculative_tokens} | {k for _, k in sc.draft_len_schedule if k}
+            self.captured_draft_lens = tuple(sorted(ks))
+        elif sc is not None:
+            self.captured_draft_lens = tuple(range(1, sc.num_speculative_tokens + 1))
         self.constrained_drafts = self.constrained_accepted = 0  # grammar-constrained requests
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -307,6 +315,10 @@ class LLMEngine:
         # ranks), or drafts the schedule's K for this many: drafts cost more than they save
         # once the step is compute-bound.
         k_step = self.draft_len(len(scheduled))
+        if self.adaptive is not None and self.ngram is None and k_step > 0:
+            # The draft loop draws only what its requests may verify next.
+            states = [self.adaptive.get(s.request.request_id) for s in scheduled]
+            k_step = loop_depth(states, k_step, self.captured_draft_lens)
         if self.num_spec_tokens:
             self.steps_by_draft_len[k_step] = self.steps_by_draft_len.get(k_step, 0) + 1
         propose = k_step > 0 or not self.num_spec_tokens
@@ -401,7 +413,10 @@ class LLMEngine:
                     else:
                         drafts = result.draft_token_ids[i][: max(0, min(room, k_step))]
                     if self.adaptive is not None:
-                        depth = self.adaptive.setdefault(rid, AdaptiveDepth(self.num_spec_tokens))
+                        depth = self.adaptive.get(rid)
+                        if depth is None:
+                            cost = POSITION_COST["engine" if self.ngram is not None else "model"]
+                            depth = self.adaptive[rid] = AdaptiveDepth(self.num_spec_tokens, cost)
                         drafts = drafts[: depth.update(n_drafts, accepted, k_step)]
                     if drafts and self.structured.is_constrained(rid):
                         drafts = self._grammar_drafts(request, drafts)

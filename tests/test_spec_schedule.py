@@ -144,17 +144,41 @@ def test_schedule_lookup() -> None:
 
 
 def test_adaptive_rule() -> None:
-    from tandem.engine.speculative.adaptive import PAUSE_STEPS, AdaptiveDepth
+    from tandem.engine.speculative.adaptive import PAUSE_STEPS, AdaptiveDepth, best_depth
 
-    d = AdaptiveDepth(4)
+    # Position j pays while rate ** j >= cost: 0.5 ** 2 = 0.25 >= 0.15 > 0.5 ** 3.
+    assert best_depth(0.5, 0.15, 4) == 2
+    assert best_depth(0.9, 0.15, 4) == 4 and best_depth(0.9, 0.15, 3) == 3
+    assert best_depth(0.1, 0.15, 4) == 1  # at least one: a probe
+    assert best_depth(0.5, 0.05, 8) == 4  # cheaper positions go deeper
+    d = AdaptiveDepth(4, cost=0.15)
     assert d.update(0, 0, 4) == 4  # a step without drafts (the prefill) changes nothing
-    assert d.update(4, 4, 4) == 4  # all accepted: as deep as the step allows
-    assert d.update(4, 1, 4) == 2  # one more than accepted
-    assert d.update(2, 2, 1) == 1  # never past the step's K
-    assert d.update(3, 0, 4) == 1
-    assert d.update(1, 0, 4) == 0  # two verifications in a row accepted nothing: a pause
-    assert [d.update(0, 0, 4) for _ in range(PAUSE_STEPS)] == [0] * (PAUSE_STEPS - 1) + [1]
-    assert d.update(1, 1, 4) == 2  # the probe was accepted: deeper again
+    for _ in range(6):
+        assert d.update(4, 4, 4) == 4  # all accepted: as deep as K
+    assert d.update(4, 4, 2) == 2  # never past the step's K
+    for _ in range(60):
+        got = d.update(4, 1, 4)  # one of two positions reached is accepted: rate -> 0.5
+    assert got == 2 and abs(d.rate - 0.5) < 0.1, d
+    got = [d.update(1, 0, 4) for _ in range(40)]  # nothing accepted any more
+    stop = got.index(0)  # the estimate fell below the cost: a pause
+    assert stop > 2 and got[:stop] == sorted(got[:stop], reverse=True) and min(got[:stop]) == 1
+    assert got[stop : stop + PAUSE_STEPS + 1] == [0] * PAUSE_STEPS + [1]  # then a probe
+
+
+def test_adaptive_loop_depth() -> None:
+    """The step's draft loop: one past the deepest verify of its requests (each may go one
+    deeper), rounded up to a captured K; none when every request pauses past this step."""
+    from tandem.engine.speculative.adaptive import AdaptiveDepth, loop_depth
+
+    shallow, deep, paused = AdaptiveDepth(4), AdaptiveDepth(4), AdaptiveDepth(4)
+    shallow.depth, deep.depth, paused.depth, paused.paused = 1, 2, 0, 5
+    assert loop_depth([shallow], 4, (1, 2, 4)) == 2
+    assert loop_depth([shallow, deep], 4, (1, 2, 4)) == 4  # 3 is not captured: 4
+    assert loop_depth([shallow, None], 4, (2, 4)) == 4  # a new request may verify K
+    assert loop_depth([deep], 2, (2, 4)) == 2  # the schedule's K for the batch caps it
+    assert loop_depth([paused, paused], 4, (4,)) == 0
+    paused.paused = 1  # it probes with one draft after this step
+    assert loop_depth([paused], 4, (1, 4)) == 1
 
 
 def test_adaptive_drafts_less_where_drafts_fail(
