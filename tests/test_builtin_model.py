@@ -218,7 +218,8 @@ def test_serve_without_model_speculates_and_answers_paris(folder: Path) -> None:
         samples = scrape_metrics(server)
         drafts = metric(samples, "tandem:spec_decode_num_draft_tokens_total")
         steps = metric(samples, "tandem:spec_decode_num_drafts_total")
-    assert steps >= 1 and drafts == 3 * steps, (steps, drafts)  # K = 3 by default
+    # K = 3 at one stream by default, adaptive: 1 to 3 drafts a step.
+    assert steps >= 1 and steps <= drafts <= 3 * steps, (steps, drafts)
 
 
 def test_second_call_reuses_the_conversion(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:

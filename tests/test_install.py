@@ -269,9 +269,10 @@ def test_installed_tandem_serve_answers_paris(wheel_venv: Path, tmp_path: Path) 
         samples = scrape_metrics(server)
         log = server.log_tail(100_000)
     assert str(REPO) not in log
-    # It speculates with the shipped Eagle3 head: K = 3 drafts a step.
+    # It speculates with the shipped Eagle3 head: at most K = 3 drafts a step (adaptive).
     steps = metric(samples, "tandem:spec_decode_num_drafts_total")
-    assert steps >= 1 and metric(samples, "tandem:spec_decode_num_draft_tokens_total") == 3 * steps
+    drafts = metric(samples, "tandem:spec_decode_num_draft_tokens_total")
+    assert steps >= 1 and steps <= drafts <= 3 * steps, (steps, drafts)
 
 
 def readme_snippet() -> str:

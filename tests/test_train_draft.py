@@ -714,12 +714,12 @@ def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -
     def spec(*argv: str) -> dict | None:
         return engine_args_from(build_parser().parse_args(["serve", *argv])).speculative_config
 
-    # The default: the shipped Eagle3 head, K = 3, paused from 4 running requests.
+    # The default: the shipped Eagle3 head, K by running requests, adaptive.
     assert spec() == {
         "method": "eagle3",
         "model": builtin_head_path("eagle3"),
-        "num_speculative_tokens": 3,
-        "disable_by_batch_size": 4,
+        "num_speculative_tokens": {"1": 3, "4": 2, "8": 0},
+        "adaptive": True,
     }
     assert spec("--speculative-config", '{"method": "eagle3"}') == {
         "method": "eagle3",

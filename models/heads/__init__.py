@@ -14,9 +14,11 @@ BUILTIN_HEADS = {
 }
 DEFAULT_METHOD = "eagle3"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
-# The default config pauses speculation at this many running requests: the shipped heads make
-# a K = 3 step pay at one stream but not when a CPU step is already compute-bound.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# The default K by running requests, adaptive per request: measured on a 2-core CPU (bf16,
+# `tandem bench compare`, chat prompts): against K = 3 paused from 4 requests it is as fast at
+# one stream (1.37x plain vs 1.38x), faster at four (1.14x vs 0.97x) and the same at sixteen
+# (0.94x vs 0.93x: both draft nothing at 8+, the column's ramps run smaller batches).
+DEFAULT_SCHEDULE = {"1": 3, "4": 2, "8": 0}
 
 
 def builtin_head_path(method: str) -> str:
@@ -28,11 +30,15 @@ def builtin_head_path(method: str) -> str:
 
 def builtin_speculative_config(spec: dict[str, Any] | None) -> dict[str, Any]:
     """The built-in model's speculative config. With none given: the shipped ``DEFAULT_METHOD``
-    head, K = 3, paused while ``DEFAULT_DISABLE_BY_BATCH_SIZE`` or more requests run. A config of
+    head with ``DEFAULT_SCHEDULE`` and ``adaptive``. A config of
     a shipped method without a ``model`` gets that method's shipped head (K = 3 unless given);
     other keys are the caller's (no implicit pause)."""
     if spec is None:
-        spec = {"method": DEFAULT_METHOD, "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE}
+        spec = {
+            "method": DEFAULT_METHOD,
+            "num_speculative_tokens": dict(DEFAULT_SCHEDULE),
+            "adaptive": True,
+        }
     method = spec.get("method")
     if method in BUILTIN_HEADS and not spec.get("model"):
         return {
