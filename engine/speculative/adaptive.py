@@ -7,15 +7,16 @@ the text as it changes). Draft position j pays when the chance of reaching and a
 decode step (``POSITION_COST``: measured on a 2-core CPU with the built-in model at batch 1, an
 Eagle3 step with K = 3 costs 1.38x a plain step and one that verifies fewer of the same drafts
 nearly as much, so most of the cost is fixed and a draft position adds about 0.05 of a plain
-step; an n-gram's position adds only its verify row). The request verifies the deepest such position, at
-least one and at most the step's K. A request whose estimate falls below ``cost`` (not even the
-first position pays) stops drafting for ``PAUSE_STEPS`` steps, then probes again with one draft.
+step; an n-gram's position adds only its verify row). The request verifies the deepest such
+position, at least one and at most the step's K. A request whose estimate falls below ``cost``
+(not even the first position pays) stops drafting for ``PAUSE_STEPS`` steps, then probes again
+with one draft.
 Simulated on chains that accept each position with a fixed probability (0.1 to 0.8, a position
 costing 0.15), this gave as many tokens per unit of step cost as a fixed K of 3, or more.
 
-The engine also shortens the step's draft loop to the deepest draft any of its requests will
-verify (rounded up to a K the graphs were captured for), so drafts nobody verifies are not
-drawn. The rule only chooses how many drafts are drawn and verified: what is emitted is decided
+The engine also shortens the step's draft loop to the deepest draft any of its requests may
+verify (any length on CPUs; where graphs run, rounded up to a K they were captured for), so
+drafts nobody verifies are not drawn. The rule only chooses how many drafts are drawn and verified: what is emitted is decided
 by verification, so output is unchanged.
 """
 
