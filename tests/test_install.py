@@ -255,6 +255,9 @@ def test_installed_tandem_serve_answers_paris(wheel_venv: Path, tmp_path: Path) 
         ["--config", "cpu", "--max-num-seqs", "4"],
         launcher=[str(wheel_venv / "tandem")],
         cwd=tmp_path,
+        # The C++ fast path would build again against this venv's torch (some 20 s of CPU);
+        # its source is in the wheel (test above) and its build is test_cpu_decode's.
+        env={"TANDEM_CPU_FAST_DECODE": "0"},
     )
     with server:
         client = OpenAI(base_url=server.url("/v1"), api_key="unused")
