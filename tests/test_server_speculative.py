@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import openai
 import pytest
@@ -80,13 +79,12 @@ def _or_zero(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_schedule_gives_each_load_its_k(server, model_dir):
-    """1, 4 and 16 concurrent streams, read from the metrics: each load's steps draft its K
-    from the schedule and never a larger load's (one stream: batch 1's K only; four: batch 4's
-    while all four run, never batch 8's; sixteen: batch 8's once eight run). How many steps ran
-    which K depends on how the streams overlap: a step of this model takes milliseconds, so
-    requests that reach a loaded machine a moment apart run beside fewer others at first."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """1, 4 and 16 requests, read from the metrics: each load's steps draft its K from the
+    schedule and never a larger load's (one: batch 1's K only; four: batch 4's while all four
+    run, never batch 8's; sixteen: batch 8's). Each load is one completions call with a list of
+    prompts, so its requests reach the engine together: separate calls on a loaded machine
+    arrive a moment apart, and a step of this model takes milliseconds (four such calls once ran
+    one after another)."""
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=60)
     name = "tandem:spec_decode_steps_by_draft_len_total"
 
@@ -94,18 +92,12 @@ def test_schedule_gives_each_load_its_k(server, model_dir):
         model = model_dir.name
         return {k: _or_zero(samples, name, model_name=model, draft_len=str(k)) for k in (0, 2, 3)}
 
-    def one(i: int, start: threading.Barrier) -> None:
-        start.wait()  # all streams at once
-        client.completions.create(
-            model=model_dir.name, prompt=f"{PROMPT} {i}", max_tokens=160, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-
     for streams, want in ((1, 3), (4, 2), (16, 0)):
         before = steps(scrape_metrics(server))
-        start = threading.Barrier(streams)
-        with ThreadPoolExecutor(streams) as pool:
-            list(pool.map(one, range(streams), [start] * streams))
+        client.completions.create(
+            model=model_dir.name, prompt=[f"{PROMPT} {i}" for i in range(streams)],
+            max_tokens=160, temperature=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
         after = steps(scrape_metrics(server))
         delta = {k: after[k] - before[k] for k in after}
         larger = {1: (2, 0), 4: (0,), 16: ()}[streams]
