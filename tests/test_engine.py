@@ -282,7 +282,9 @@ def test_host_rows_reads_every_part_in_its_own_dtype() -> None:
 
 
 @pytest.mark.parametrize("method", ["none", "mtp", "eagle3"])
-def test_the_last_reference_frees_the_weights_and_the_kv_cache(tmp_path: Path, method: str) -> None:
+def test_the_last_reference_frees_the_weights_and_the_kv_cache(
+    ckpt: Path, tmp_path: Path, method: str
+) -> None:
     """No reference cycle holds an engine: its weights and KV cache go with the last reference,
     without a garbage collection (a process that paces its collector, or runs several engines
     one after another, would hold every old one's memory until a full collection)."""
@@ -292,16 +294,14 @@ def test_the_last_reference_frees_the_weights_and_the_kv_cache(tmp_path: Path, m
 
     from checkpoints import add_mtp_layers, build_eagle3_draft
 
-    target = build_llama(tmp_path / "llama")
-    spec = None
+    target, spec = ckpt, None
     if method == "mtp":
-        shutil.copytree(target, tmp_path / "mtp")
-        target = tmp_path / "mtp"
+        target = Path(shutil.copytree(ckpt, tmp_path / "mtp"))
         add_mtp_layers(target, 1)
         spec = {"method": "mtp", "num_speculative_tokens": 2}
     elif method == "eagle3":
-        draft = build_eagle3_draft(tmp_path / "eagle3", target, draft_vocab=160)
-        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+        head = build_eagle3_draft(tmp_path / "eagle3", ckpt, draft_vocab=160)
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
     gc.collect()
     gc.disable()
     try:
