@@ -420,6 +420,7 @@ struct Mat {
   const void* p;
   int64_t O, K;
   bool q8 = false;  // int8 blocks with their scales (``pack_int8``), whatever the activations
+  int qbits = 0;    // 8 or 4: Q8_0 / Q4_1 blocks (``pack_blocks``)
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -711,10 +712,225 @@ void matvec_q8(const T* x, const Mat& w, T* y, int64_t M) {
   });
 }
 
+// ---------------------------------------------------------------- block-quantized weights
+// GGUF's Q8_0 and Q4_1 blocks: 32 weights along K share an fp16 scale d (and for Q4_1 a
+// minimum m): w = d * q + c' with q int8 (Q8_0, c' = 0) or a 4-bit q in 0 .. 15 (Q4_1, c' = m).
+// ``pack_blocks`` keeps those values in a layout of 16 outputs x 32 K per block, as unsigned
+// bytes u (Q8_0: u = q + 128; Q4_1: u = q), so w = d * u + c with c = -128 d (Q8_0) or m:
+//   Q8_0: 8 groups of 64 bytes, group g = lanes 0 .. 15 x K 4g .. 4g + 3 (one 32-bit word per
+//         output, the operand layout of vpdpbusd), then d and c as fp16 [16] each: 576 bytes.
+//   Q4_1: 4 groups of 64 bytes, byte (lane, i) of group g holding K 4g + i in its low nibble
+//         and K 16 + 4g + i in its high one, then d and c: 320 bytes.
+// The activations are quantized per row and 32-block as Q8_0 does (dx = max |x| / 127, xq =
+// round(x / dx)), so y[m, o] = sum_blocks d dx S + c dx sum(xq), S the exact integer dot
+// product of u and xq: the only error besides fp32 sums is the activations' rounding.
+constexpr int64_t QBLOCK = 32;
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
+    (!(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVXVNNI__))
+constexpr bool TANDEM_VNNI = true;
+#else
+constexpr bool TANDEM_VNNI = false;
+#endif
+inline int64_t qb_bytes(int bits) { return bits == 8 ? 576 : 320; }
+inline int64_t qb_weight_bytes(int bits) { return bits == 8 ? 512 : 256; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct VI {
+  __m512i v;
+};
+inline VI vi_zero() { return {_mm512_setzero_si512()}; }
+inline VI vi_ld(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline VI vi_set(int32_t x) { return {_mm512_set1_epi32(x)}; }
+inline VI vi_lo4(VI a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
+inline VI vi_hi4(VI a) {
+  return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))};
+}
+// acc + per 32-bit lane the sum of its 4 products u8(a) * s8(b).
+inline VI dot4(VI acc, VI a, VI b) {
+#if defined(__AVX512VNNI__)
+  return {_mm512_dpbusd_epi32(acc.v, a.v, b.v)};
+#else  // without VNNI: widened to 16 bits (vpmaddubsw would saturate u8 255 * s8 -128 pairs)
+  const __m512i m = _mm512_set1_epi16(0x00FF);
+  const __m512i a_even = _mm512_and_si512(a.v, m), a_odd = _mm512_srli_epi16(a.v, 8);
+  const __m512i b_even = _mm512_srai_epi16(_mm512_slli_epi16(b.v, 8), 8);
+  const __m512i b_odd = _mm512_srai_epi16(b.v, 8);
+  const __m512i s = _mm512_add_epi32(_mm512_madd_epi16(a_even, b_even), _mm512_madd_epi16(a_odd, b_odd));
+  return {_mm512_add_epi32(acc.v, s)};
+#endif
+}
+inline V vi_float(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline V vld_f16(const uint8_t* p) {  // 16 fp16 -> fp32
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+// 16 lanes (integral values in [-127, 127]) stored as int8.
+inline void vst_i8(int8_t* p, V a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
+#else
+struct VI {
+  __m256i lo, hi;
+};
+inline VI vi_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline VI vi_ld(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline VI vi_set(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+inline __m256i lo4(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
+inline __m256i hi4(__m256i a) { return lo4(_mm256_srli_epi16(a, 4)); }
+inline VI vi_lo4(VI a) { return {lo4(a.lo), lo4(a.hi)}; }
+inline VI vi_hi4(VI a) { return {hi4(a.lo), hi4(a.hi)}; }
+inline __m256i dot4(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
+  const __m256i m = _mm256_set1_epi16(0x00FF);
+  const __m256i a_even = _mm256_and_si256(a, m), a_odd = _mm256_srli_epi16(a, 8);
+  const __m256i b_even = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+  const __m256i b_odd = _mm256_srai_epi16(b, 8);
+  const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(a_even, b_even), _mm256_madd_epi16(a_odd, b_odd));
+  return _mm256_add_epi32(acc, s);
+#endif
+}
+inline VI dot4(VI acc, VI a, VI b) { return {dot4(acc.lo, a.lo, b.lo), dot4(acc.hi, a.hi, b.hi)}; }
+inline V vi_float(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline V vld_f16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline void vst_i8(int8_t* p, V a) {
+  const __m256i w = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+}
+#endif
+
+// Rows of x quantized per 32-block: xq [M, K] int8, dx [M, K / 32] (the block's scale) and
+// sx [M, K / 32] (dx times the sum of the block's xq).
+struct QuantRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+};
+template <typename T>
+QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  const int64_t nkb = K / QBLOCK;
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * nkb), std::vector<float>(M * nkb)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nkb; ++b) {
+      const int64_t i = m * K + b * QBLOCK;
+      const V a = vld(x + i, first(16)), c = vld(x + i + 16, first(16));
+      const float amax = vhmax(vmax(vmax(a, vsub(vzero(), a)), vmax(c, vsub(vzero(), c))));
+      const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const V qa = vround(vmul(a, vset(id))), qc = vround(vmul(c, vset(id)));
+      vst_i8(q.xq.data() + i, qa);
+      vst_i8(q.xq.data() + i + 16, qc);
+      q.dx[m * nkb + b] = d;
+      q.sx[m * nkb + b] = d * (vhsum(qa) + vhsum(qc));
+    }
+  }
+  return q;
+}
+
+inline int32_t word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// y[m .. m+R, 16 b .. 16 (b+W)] from blocks b .. b + W of a ``pack_blocks`` weight.
+template <int BITS, int R, int W, typename T>
+inline void qb_tile(const QuantRows& q, int64_t K, const uint8_t* pb, int64_t stride, T* y,
+                    int64_t m, int64_t o0, int64_t O) {
+  constexpr int64_t BB = BITS == 8 ? 576 : 320, WB = BITS == 8 ? 512 : 256;
+  const int64_t nkb = K / QBLOCK;
+  V acc[R][W];
+  zero(acc);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    VI s[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < W; ++j) s[r][j] = vi_zero();
+    const int8_t* xr = q.xq.data() + m * K + kb * QBLOCK;
+    if constexpr (BITS == 8) {
+      for (int g = 0; g < 8; ++g) {
+        VI wv[W];
+        for (int j = 0; j < W; ++j) wv[j] = vi_ld(pb + j * stride + kb * BB + g * 64);
+        for (int r = 0; r < R; ++r) {
+          const VI xb = vi_set(word(xr + r * K + 4 * g));
+          for (int j = 0; j < W; ++j) s[r][j] = dot4(s[r][j], wv[j], xb);
+        }
+      }
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        VI lo[W], hi[W];
+        for (int j = 0; j < W; ++j) {
+          const VI raw = vi_ld(pb + j * stride + kb * BB + g * 64);
+          lo[j] = vi_lo4(raw);
+          hi[j] = vi_hi4(raw);
+        }
+        for (int r = 0; r < R; ++r) {
+          const VI xl = vi_set(word(xr + r * K + 4 * g));
+          const VI xh = vi_set(word(xr + r * K + 16 + 4 * g));
+          for (int j = 0; j < W; ++j) s[r][j] = dot4(dot4(s[r][j], lo[j], xl), hi[j], xh);
+        }
+      }
+    }
+    for (int j = 0; j < W; ++j) {
+      const uint8_t* scales = pb + j * stride + kb * BB + WB;
+      const V d = vld_f16(scales), c = vld_f16(scales + 32);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (m + r) * nkb + kb;
+        acc[r][j] = vfmadd(vmul(vi_float(s[r][j]), vset(q.dx[i])), d, acc[r][j]);
+        acc[r][j] = vfmadd(c, vset(q.sx[i]), acc[r][j]);
+      }
+    }
+  }
+  store_tile<T, R, W>(acc, y, m, o0, O);
+}
+template <int BITS, int W, typename T, int R>
+inline void qb_rest(int64_t r, const QuantRows& q, int64_t K, const uint8_t* pb, int64_t stride,
+                    T* y, int64_t m, int64_t o0, int64_t O) {
+  if constexpr (R >= 1) {
+    if (r == R) return qb_tile<BITS, R, W>(q, K, pb, stride, y, m, o0, O);
+    qb_rest<BITS, W, T, R - 1>(r, q, K, pb, stride, y, m, o0, O);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int QB_ROWS = 4, QB_BLOCKS = 2;  // 8 int32 + 8 fp32 accumulators
+#else
+constexpr int QB_ROWS = 2, QB_BLOCKS = 1;  // each a pair of ymm registers
+#endif
+
+// y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w from ``pack_blocks`` (BITS 8 or 4).
+template <int BITS, typename T>
+void matvec_qb(const T* x, const Mat& w, T* y, int64_t M) {
+  constexpr int R = QB_ROWS, NB = QB_BLOCKS;
+  const int64_t K = w.K, blocks = ceil_div(w.O, LANES), stride = (K / QBLOCK) * qb_bytes(BITS);
+  const QuantRows q = quantize_rows(x, M, K);
+  const uint8_t* base = static_cast<const uint8_t*>(w.p);
+  at::parallel_for(0, ceil_div(blocks, NB), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t b = g * NB;
+      const uint8_t* pb = base + b * stride;
+      for (int64_t m = 0; m < M; m += R) {
+        const int64_t r = std::min<int64_t>(R, M - m);
+        if (b + NB <= blocks) {
+          qb_rest<BITS, NB, T, R>(r, q, K, pb, stride, y, m, b * LANES, w.O);
+        } else {
+          qb_rest<BITS, 1, T, R>(r, q, K, pb, stride, y, m, b * LANES, w.O);
+        }
+      }
+    }
+  });
+}
+
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed.
 template <typename T>
 void matvec(const T* x, const Mat& w, T* y, int64_t M) {
   if (w.q8) return matvec_q8(x, w, y, M);
+  if (w.qbits == 8) return matvec_qb<8>(x, w, y, M);
+  if (w.qbits == 4) return matvec_qb<4>(x, w, y, M);
   if constexpr (WIDE_X && std::is_same_v<T, uint16_t>) {
     const int64_t K = w.K, K2 = 2 * ceil_div(K, 2);
     std::vector<float> xf(M * K2, 0.f);
@@ -1075,6 +1291,15 @@ Mat packed(const at::Tensor& t, int64_t O, int64_t K) {
                 t.sizes());
     return Mat{t.data_ptr(), O, K, true};
   }
+  if (t.scalar_type() == at::kByte) {  // ``pack_blocks``: [O / 16, K / 32, block bytes]
+    const int bits = t.dim() == 3 && t.size(2) == qb_bytes(8) ? 8 : 4;
+    TORCH_CHECK(t.is_contiguous() && t.dim() == 3 && K % QBLOCK == 0 &&
+                    t.size(0) == ceil_div(O, LANES) && t.size(1) == K / QBLOCK &&
+                    t.size(2) == qb_bytes(bits),
+                "a block-quantized weight does not match its shape [", O, ", ", K, "]: got ",
+                t.sizes());
+    return Mat{t.data_ptr(), O, K, false, bits};
+  }
   const bool bf16 = t.scalar_type() == at::kBFloat16;
   const std::vector<int64_t> want =
       bf16 ? std::vector<int64_t>{ceil_div(O, LANES), ceil_div(K, 2), LANES, 2}
@@ -1222,8 +1447,10 @@ Paged check_step(const at::Tensor& x, const at::Tensor& positions,
   for (const auto& t : weights) {
     TORCH_CHECK(t.is_contiguous() &&
                     (t.scalar_type() == x.scalar_type() ||
-                     (t.scalar_type() == at::kChar && t.dim() == 2)),
-                "weights must be contiguous and in the activation dtype (matrices: or int8)");
+                     (t.scalar_type() == at::kChar && t.dim() == 2) ||
+                     (t.scalar_type() == at::kByte && t.dim() == 3)),
+                "weights must be contiguous and in the activation dtype (matrices: or int8, or "
+                "quantized blocks)");
   }
   for (const auto& t : caches) {
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == x.scalar_type(),
@@ -1344,7 +1571,8 @@ at::Tensor pack_int8(at::Tensor q, at::Tensor scale) {
 // x [M, K] @ w.T → [M, out_features] in x's dtype; w as ``pack`` (or ``pack_int8``) left it.
 at::Tensor linear(at::Tensor x, at::Tensor w, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "linear: x [M, K] expected");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kChar,
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kChar ||
+                  w.scalar_type() == at::kByte,
               "linear: x and w dtypes differ");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
@@ -1500,8 +1728,9 @@ at::Tensor eagle3_chain(at::Tensor hidden, at::Tensor tokens, at::Tensor positio
               "embedding [vocab, H] in float32 or the head's dtype expected");
   TORCH_CHECK(final_norm.numel() == H && final_norm.scalar_type() == hidden.scalar_type(),
               "final_norm [H] in the head's dtype expected");
-  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == at::kChar,
-              "lm_head in the head's dtype or int8");
+  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == at::kChar ||
+                  lm_head.scalar_type() == at::kByte,
+              "lm_head in the head's dtype, int8 or quantized blocks");
   TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.is_contiguous(), "d2t [V] int64");
   const Mat head = packed(lm_head, V, H);
   const int64_t* map = d2t.data_ptr<int64_t>();
@@ -1552,5 +1781,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("eagle3_chain", &eagle3_chain, "greedy Eagle3 draft steps after the first (CPU)");
   m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of a [B, V] tensor (CPU)");
   m.def("isa", []() { return std::string(ISA); }, "the instruction set it was built for");
+  m.def("vnni", []() { return TANDEM_VNNI; }, "whether the block products use VNNI dot products");
   m.def("exp_lanes", &exp_lanes, "exp through the kernels' vector exp (tests)");
 }

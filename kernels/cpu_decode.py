@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 ENV_VAR = "TANDEM_CPU_FAST_DECODE"
 ISA_ENV_VAR = "TANDEM_CPU_DECODE_ISA"  # build this branch, not the best one (tests, diagnosis)
+# Build without the VNNI byte dot products (as for a Zen 3 EPYC or a Skylake Xeon), so a VNNI
+# machine tests the block products' fallback (tests, diagnosis).
+NO_VNNI_ENV_VAR = "TANDEM_CPU_DECODE_NO_VNNI"
 MAX_ROWS = 64  # 2-core machine, 60 rows: fast 191 vs eager 199 ms (bf16), 147 vs 197 (fp32)
 # On a 2-core Zen 3 EPYC (AVX2), built-in model prefill, fast vs eager: fp32 40 rows 121 vs
 # 213-249 ms, 60 rows 101-108 vs 218-319 (best of 3, two runs); bf16 60 rows 119 vs 675.
@@ -104,6 +107,10 @@ def unavailable_reason() -> str | None:
     return _error
 
 
+def no_vnni() -> bool:
+    return os.environ.get(NO_VNNI_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def extension_name(branch: str) -> str:
     """The module's name: the source, torch (its version and where it is installed), Python and
     the instruction set name it, so an edited source, or a cache shared with a machine of another
@@ -118,6 +125,7 @@ def extension_name(branch: str) -> str:
         sys.version_info[:2],
         sysconfig.get_path("include"),
         branch,
+        no_vnni(),
     ]
     key = SOURCE.read_bytes() + " ".join(map(str, build)).encode()
     return f"tandem_cpu_decode_{hashlib.sha256(key).hexdigest()[:16]}"
@@ -170,7 +178,14 @@ def load_extension() -> Any | None:
                 _ext = load(
                     name=name,
                     sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", *ISA_CFLAGS[branch], expect, "-fopenmp"],
+                    extra_cflags=[
+                        "-O3",
+                        "-march=native",
+                        *ISA_CFLAGS[branch],
+                        *(["-mno-avxvnni", "-mno-avx512vnni"] if no_vnni() else []),
+                        expect,
+                        "-fopenmp",
+                    ],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(folder),
                     verbose=False,
@@ -263,6 +278,71 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     outputs with their scales): ``linear`` and the layers then read a quarter of an fp32
     weight's bytes (half of a bfloat16 one's), summing in fp32 and scaling each output once."""
     return _ext_or_raise().pack_int8(q.contiguous(), scale.float().contiguous())
+
+
+QBLOCK = 32  # weights along K per Q8_0 / Q4_1 block
+BLOCK_FORMATS = {"q8_0": 8, "q4_1": 4}  # format -> bits
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 of ``weight`` [O, K] (K a multiple of 32): (q int8 [O, K], d float32
+    [O, K / 32]) with ``weight ~ d * q`` per 32-block, as the format's reference quantizer
+    writes it: d = max |w| / 127, q = w * (1 / d) rounded half away from zero, d stored as
+    fp16."""
+    o, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"Q8_0 needs rows of a multiple of {QBLOCK} weights, got {k}")
+    w = weight.detach().float().view(o, k // QBLOCK, QBLOCK)
+    d = w.abs().amax(dim=2) / 127.0
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(1e-30), 0.0)
+    x = w * inv[..., None]
+    q = torch.sign(x) * torch.floor(x.abs() + 0.5)
+    return q.clamp(-127, 127).to(torch.int8).view(o, k), d.half().float()
+
+
+def dequantize_blocks(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``d * q + m`` per 32-block along K (``m`` None: Q8_0), computed in fp32 (what llama.cpp's
+    reference computes) and rounded to ``dtype``."""
+    o, k = q.shape
+    w = q.float().view(o, k // QBLOCK, QBLOCK) * d.float()[..., None]
+    if m is not None:
+        w = w + m.float()[..., None]
+    return w.view(o, k).to(dtype)
+
+
+def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """Q8_0 (``q`` int8, ``m`` None) or Q4_1 (``q`` uint8 in 0 .. 15, ``m`` the blocks' minima)
+    weights [O, K] with their fp16-exact scales [O, K / 32] in the layout the extension's products
+    read (``cpu_decode.cpp``, "block-quantized weights"): uint8 [ceil(O / 16), K / 32, 576 or
+    320]. Padding outputs have scale 0."""
+    o, k = q.shape
+    nb, nkb = -(-o // 16), k // QBLOCK
+    if k % QBLOCK or tuple(d.shape) != (o, nkb) or (m is not None and tuple(m.shape) != (o, nkb)):
+        raise ValueError(f"pack_blocks: q [O, K] with K % 32 == 0 and scales [O, K/32]: {q.shape}")
+    if m is None:
+        u = (q.to(torch.int16) + 128).to(torch.uint8)  # w = d * u - 128 d
+        c = -128.0 * d.float()
+    else:
+        if q.dtype != torch.uint8 or int(q.max()) > 15:
+            raise ValueError("pack_blocks: Q4_1 values must be uint8 in 0 .. 15")
+        u, c = q, m.float()
+    pad = nb * 16 - o
+    u = torch.cat([u, u.new_zeros(pad, k)]) if pad else u
+    d = torch.cat([d.float(), d.new_zeros(pad, nkb, dtype=torch.float32)]) if pad else d.float()
+    c = torch.cat([c, c.new_zeros(pad, nkb)]) if pad else c
+    if m is None:  # [nb, 16 lanes, nkb, 8 groups, 4] -> [nb, nkb, 8, 16, 4]
+        body = u.view(nb, 16, nkb, 8, 4).permute(0, 2, 3, 1, 4).reshape(nb, nkb, 512)
+    else:  # K 4g + i in the low nibble, K 16 + 4g + i in the high one
+        halves = u.view(nb, 16, nkb, 2, 4, 4)
+        nibbles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+        body = nibbles.permute(0, 2, 3, 1, 4).reshape(nb, nkb, 256)
+
+    def scales(x: torch.Tensor) -> torch.Tensor:
+        return x.half().view(nb, 16, nkb).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([body, scales(d), scales(c)], dim=2).contiguous()
 
 
 def llama_stack(
