@@ -70,6 +70,10 @@ class ModelConfig:
     # The folder whose generation_config.json gives the server's sampling defaults; None: none
     # (OpenAI's defaults). End-of-sequence ids always come from the model folder.
     generation_config: str | None = None
+    # The CPU fast path's matrices: "dtype" (the model's weights in ``dtype``), "q8" (Q8_0
+    # blocks quantized at load) or "q4" (the built-in model's own GGUF blocks: Q4_1, Q8_0 LM
+    # head); see ``EngineArgs.cpu_weights``.
+    cpu_weights: str = "dtype"
 
     @property
     def vocab_size(self) -> int:
@@ -739,6 +743,9 @@ class EngineConfig:
 GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
+CPU_WEIGHTS = ("auto", "dtype", "q8", "q4")
+
+
 @dataclass
 class EngineArgs:
     """Everything a user can set, flat (the CLI and ``LLM(**kwargs)`` map onto it).
@@ -748,7 +755,10 @@ class EngineArgs:
     ``download_dir`` as the hub cache). ``max_model_len``: None is the model's own context
     length; -1 (``MAX_MODEL_LEN_AUTO``, or "auto") the longest request the KV cache holds.
     ``generation_config``: "auto" (the model folder's generation_config.json gives the server's
-    sampling defaults), "vllm" (none: OpenAI's defaults) or a folder to read it from."""
+    sampling defaults), "vllm" (none: OpenAI's defaults) or a folder to read it from.
+    ``cpu_weights``: the CPU fast path's matrices, "dtype" (the weights in ``dtype``; "auto" means
+    it for now), "q8" (Q8_0 blocks quantized at load) or "q4" (the built-in model's own GGUF
+    Q4_1 blocks)."""
 
     model: str
     tokenizer: str | None = None
@@ -778,11 +788,39 @@ class EngineArgs:
     revision: str | None = None
     download_dir: str | None = None
     generation_config: str = "auto"
+    cpu_weights: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    def _cpu_weights(self, device: torch.device) -> str:
+        """``cpu_weights`` resolved: "auto" is the model's dtype (the CLI picks the built-in
+        model's measured fastest before this); "q4" needs the built-in model's GGUF blocks,
+        "q4" and "q8" the CPU fast path's products (a CPU device, one rank)."""
+        want = self.cpu_weights
+        _require(want in CPU_WEIGHTS, "cpu_weights", want, f"one of {', '.join(CPU_WEIGHTS)}")
+        if want in ("auto", "dtype"):
+            return "dtype"
+        where = None
+        if device.type != "cpu":
+            where = "a CPU device"
+        elif self.tensor_parallel_size != 1 or self.enable_attention_dp or self.nnodes != 1:
+            where = "one rank (no tensor or attention parallelism)"
+        if where is not None:
+            raise ValueError(
+                f"cpu_weights={want!r} needs {where}: it serves the CPU decode fast path"
+            )
+        if want == "q4":
+            from tandem.models.builtin import builtin_source
+
+            if builtin_source(self.model) is None:
+                raise ValueError(
+                    "cpu_weights='q4' serves the built-in model's own GGUF Q4_1 blocks; "
+                    f"{self.model} is not the built-in model (any model can use 'q8')"
+                )
+        return want
 
     def with_local_folders(self) -> EngineArgs:
         """These arguments with each Hugging Face id (the model, the tokenizer, the draft head's
@@ -879,6 +917,7 @@ class EngineArgs:
             or os.path.basename(os.path.normpath(self.model)),
             fit_max_model_len=fit,
             generation_config=self._generation_config_folder(),
+            cpu_weights=self._cpu_weights(device),
         )
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         spec = SpeculativeConfig.from_dict(self.speculative_config)

@@ -22,7 +22,9 @@ from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.tokenizer import load_tokenizer, model_eos_token_ids
 from tandem.kernels.cpu_decode import MAX_ROWS
 from tandem.models.cpu_linears import (
+    builtin_blocks,
     pack_cpu_linears,
+    quantize_blocks_,
     quantize_int8_,
     use_cpu_matvec_linears,
     use_cpu_matvec_lm_heads,
@@ -210,6 +212,9 @@ class Worker:
         int8 = sc is not None and sc.draft_quantization == "int8"
         reason: str | None = f"the device is {config.device.type}"
         if config.device.type == "cpu":
+            if mc.cpu_weights != "dtype":  # before the fast path packs its matrices
+                n = quantize_blocks_(self.model, builtin_blocks(mc.model, mc.cpu_weights))
+                logger.info("CPU weights %s: %d matrices in quantized blocks", mc.cpu_weights, n)
             reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
@@ -217,6 +222,9 @@ class Worker:
                     if int8:
                         n = quantize_int8_(spec.draft.modules())
                         logger.info("draft head: %d matrices quantized to int8 rows", n)
+                    elif mc.cpu_weights != "dtype":  # the head's matrices in Q8_0 blocks too
+                        n = quantize_blocks_(spec.draft)
+                        logger.info("draft head: %d matrices in Q8_0 blocks", n)
                     use_cpu_matvec_lm_heads(spec.draft)
                     why = spec.draft.enable_cpu_fast_path()
                     logger.info("CPU draft fast path %s", "on" if why is None else f"off: {why}")
@@ -227,6 +235,11 @@ class Worker:
             pack_cpu_linears(self.model)
             if spec is not None and spec.draft is not None:
                 pack_cpu_linears(spec.draft)
+        if mc.cpu_weights != "dtype" and reason is not None:
+            raise ValueError(
+                f"cpu_weights={mc.cpu_weights!r} needs the CPU decode fast path (a CPU device, "
+                f"one rank, a Llama-family target), and it is off here: {reason}"
+            )
         if int8 and reason is not None:
             # int8 rows only pay where the fast path's products read them.
             raise ValueError(

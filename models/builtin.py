@@ -135,6 +135,15 @@ def is_converted(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
+def builtin_source(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted built-in folder came from (None: not such a folder)."""
+    marker = Path(folder) / MARKER
+    if not marker.is_file():
+        return None
+    source = Path(json.loads(marker.read_text()).get("source", ""))
+    return source if source.is_file() else find_gguf()
+
+
 def _remove_stale_partials(parent: Path, max_age_s: float = 3600.0) -> None:
     """Temporary folders of conversions that were killed; a live one is minutes old at most."""
     for old in parent.glob(".partial-*"):
@@ -311,6 +320,79 @@ def _hf_tensor(tensor: Any, config: Any) -> tuple[str, torch.Tensor]:
     elif kind == "attn_k":
         weight = _unpermute_rope(weight, config.num_key_value_heads)
     return f"{base}.{parts[-1]}", weight
+
+
+# GGUF block layouts (bytes per 32 weights): Q8_0 = fp16 d, 32 int8; Q4_1 = fp16 d, fp16 m,
+# 16 bytes of nibbles (weight j < 16 in byte j's low nibble, weight j + 16 in its high one).
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
+# Our fused matrices and the Hugging Face matrices whose rows they stack, in order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def _raw_blocks(tensor: Any) -> Blocks:
+    """(q, d, m) of one Q8_0 (q int8, m None) or Q4_1 (q uint8 in 0 .. 15) tensor, [rows, K]
+    and [rows, K / 32]: the file's own values, no arithmetic."""
+    import numpy as np
+
+    kind = tensor.tensor_type.name
+    if kind not in _BLOCK_BYTES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is {kind}, not Q8_0 or Q4_1")
+    raw = np.ascontiguousarray(tensor.data).reshape(tensor.data.shape[0], -1, _BLOCK_BYTES[kind])
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0]).float()
+    rows, nkb = d.shape
+    if kind == "Q8_0":
+        q = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(rows, nkb * 32)
+        return q, d, None
+    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0]).float()
+    nib = torch.from_numpy(raw[..., 4:].copy())
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(rows, nkb * 32)
+    return q, d, m
+
+
+def gguf_blocks(source: str | os.PathLike | None = None) -> dict[str, Blocks]:
+    """The built-in model's matrices at the GGUF file's own precision, by our module names
+    (``model.layers.{i}.self_attn.qkv_proj``, ``….o_proj``, ``….mlp.gate_up_proj``,
+    ``….down_proj``, ``lm_head`` = the tied Q8_0 embedding): (q, d, m) as ``_raw_blocks``, q/k
+    rows in Hugging Face's rotary order, fused matrices' rows stacked as our modules stack
+    them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source or find_gguf()))
+    heads = {f.name: f.contents() for f in reader.fields.values() if len(f.data) == 1}
+    by_hf: dict[str, Blocks] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if tensor.tensor_type.name not in _BLOCK_BYTES:
+            continue
+        if parts[0] == "blk":
+            name, kind = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}", parts[2]
+        else:
+            name, kind = _TOP_NAMES[parts[0]], parts[0]
+        q, d, m = _raw_blocks(tensor)
+        if kind in ("attn_q", "attn_k"):
+            n = heads["llama.attention.head_count" + ("" if kind == "attn_q" else "_kv")]
+            q, d = _unpermute_rope(q, n), _unpermute_rope(d, n)
+            m = None if m is None else _unpermute_rope(m, n)
+        by_hf[name] = (q, d, m)
+    out: dict[str, Blocks] = {"lm_head": by_hf.get("lm_head", by_hf["model.embed_tokens"])}
+    layers = sorted({int(n.split(".")[2]) for n in by_hf if n.startswith("model.layers.")})
+    for i in layers:
+        for ours, parts in _FUSED.items():
+            got = [by_hf[f"model.layers.{i}.{p}"] for p in parts]
+            ms = [g[2] for g in got]
+            out[f"model.layers.{i}.{ours}"] = (
+                torch.cat([g[0] for g in got]),
+                torch.cat([g[1] for g in got]),
+                None if ms[0] is None else torch.cat(ms),  # type: ignore[arg-type]
+            )
+    return out
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

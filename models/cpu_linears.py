@@ -14,6 +14,8 @@ from tandem.kernels import cpu_decode
 from tandem.models.layers import LinearBase, ParallelLMHead, packed_linear
 
 INT8_ROWS = "int8_rows"  # a weight's attribute: its (q, scale) from ``quantize_int8_``
+QUANT_BLOCKS = "quant_blocks"  # a weight's attribute: its (q, d, m) from ``quantize_blocks_``
+Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 def quantize_int8_(modules: Iterable[nn.Module]) -> int:
@@ -36,9 +38,66 @@ def quantize_int8_(modules: Iterable[nn.Module]) -> int:
     return n
 
 
+def set_blocks_(
+    module: nn.Module, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> None:
+    """``module`` computes with Q8_0 (``m`` None) or Q4_1 blocks ``(q, d, m)`` from now on: its
+    eager forward with their dequantized values (a new tensor), ``pack_weight`` packs the
+    blocks themselves for the CPU fast path."""
+    old = module.weight
+    if tuple(q.shape) != tuple(old.shape):
+        raise ValueError(f"quantized blocks {tuple(q.shape)} for a weight {tuple(old.shape)}")
+    weight = nn.Parameter(cpu_decode.dequantize_blocks(q, d, m, old.dtype), requires_grad=False)
+    setattr(weight, QUANT_BLOCKS, (q, d, m))
+    module.weight = weight
+
+
+def builtin_blocks(model: str, cpu_weights: str) -> dict[str, Blocks] | None:
+    """The blocks ``quantize_blocks_`` takes for ``cpu_weights``: "q4" the built-in model's own
+    (``model``: its converted folder), "q8" none (quantized from the weights)."""
+    if cpu_weights != "q4":
+        return None
+    from tandem.models.builtin import builtin_source, gguf_blocks
+
+    source = builtin_source(model)
+    if source is None:
+        raise ValueError(f"cpu_weights='q4': {model} is not the built-in model's folder")
+    return gguf_blocks(source)
+
+
+def quantize_blocks_(model: nn.Module, blocks: dict[str, Blocks] | None = None) -> int:
+    """The CPU weights of ``model``'s bias-free 2-D linears and unsharded LM heads as blocks
+    (``--cpu-weights``): ``blocks`` by module name where given (the built-in model's GGUF
+    values, ``models.builtin.gguf_blocks``), else Q8_0 quantized here from the weight. A tied
+    LM head's embedding keeps its own weight. Returns how many matrices were quantized."""
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            if m.bias is not None or m.weight.dim() != 2:
+                continue
+        elif not isinstance(m, ParallelLMHead) or m.mapping.tp_size != 1:
+            continue
+        w = m.weight
+        if w.device.type != "cpu" or w.shape[1] % cpu_decode.QBLOCK or hasattr(w, QUANT_BLOCKS):
+            continue  # (a matrix shared with the target, an MTP head's LM head: done there)
+        if blocks is not None:
+            if name not in blocks:
+                continue
+            set_blocks_(m, *blocks[name])
+        else:
+            q, d = cpu_decode.quantize_q8_0(m.weight)
+            set_blocks_(m, q, d, None)
+        n += 1
+    return n
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The CPU fast path's packed copy of ``weight``: its int8 rows where ``quantize_int8_``
-    gave it some, else the weight itself."""
+    """The CPU fast path's packed copy of ``weight``: its quantized blocks where
+    ``quantize_blocks_`` gave it some, its int8 rows where ``quantize_int8_`` did, else the
+    weight itself."""
+    blocks = getattr(weight, QUANT_BLOCKS, None)
+    if blocks is not None:
+        return cpu_decode.pack_blocks(*blocks)
     rows = getattr(weight, INT8_ROWS, None)
     return cpu_decode.pack(weight) if rows is None else cpu_decode.pack_int8(*rows)
 

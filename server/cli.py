@@ -161,6 +161,14 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     eng.add_argument("--tokenizer", default=None)
     eng.add_argument("--dtype", default="auto")
     eng.add_argument("--device", default="auto")
+    eng.add_argument(
+        "--cpu-weights",
+        choices=["auto", "dtype", "q8", "q4"],
+        default="auto",
+        help="the CPU fast path's matrices: dtype (the weights in --dtype), q8 (Q8_0 blocks "
+        "quantized at load, any Llama-family model), q4 (the built-in model's own GGUF Q4_1 "
+        "blocks, Q8_0 LM head); auto: dtype for now",
+    )
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument(
         "--max-model-len",
@@ -347,7 +355,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
     names = ns.served_model_name or []
     model, dtype = ns.model, ns.dtype
     if model is None:  # the built-in SmolLM2-135M-Instruct, converted once into the cache
-        from tandem.models.builtin import builtin_default_dtype, builtin_model_path
+        from tandem.models.builtin import (
+            builtin_default_dtype,
+            builtin_model_path,
+        )
 
         model = builtin_model_path()
         if dtype == "auto":  # the folder is float32; serve in what runs fastest here
@@ -387,6 +398,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         revision=ns.revision,
         download_dir=ns.download_dir,
         generation_config=ns.generation_config,
+        cpu_weights=ns.cpu_weights,
     )
 
 
