@@ -806,27 +806,39 @@ inline void vst_i8(int8_t* p, V a) {
 }
 #endif
 
-// Rows of x quantized per 32-block: xq [M, K] int8, dx [M, K / 32] (the block's scale) and
-// sx [M, K / 32] (dx times the sum of the block's xq).
+// Rows of x quantized per 32-block in two int8 passes: x = dx (254 xq + xr) up to rounding,
+// xq = round(x / (254 dx)) as Q8_0 quantizes (254 dx = max |x| / 127) and xr the residual
+// rounded on a 254 times finer grid (|xr| <= 127): a 15-bit grid per block, finer than a
+// bfloat16 activation's own rounding, at the cost of a second pass of byte dot products. dx
+// [M, K / 32] is the fine step, sx [M, K / 32] = dx times the sum of (254 xq + xr) over the
+// block.
 struct QuantRows {
-  std::vector<int8_t> xq;
+  std::vector<int8_t> xq, xr;
   std::vector<float> dx, sx;
 };
 template <typename T>
 QuantRows quantize_rows(const T* x, int64_t M, int64_t K) {
   const int64_t nkb = K / QBLOCK;
-  QuantRows q{std::vector<int8_t>(M * K), std::vector<float>(M * nkb), std::vector<float>(M * nkb)};
+  QuantRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
+              std::vector<float>(M * nkb), std::vector<float>(M * nkb)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nkb; ++b) {
       const int64_t i = m * K + b * QBLOCK;
       const V a = vld(x + i, first(16)), c = vld(x + i + 16, first(16));
       const float amax = vhmax(vmax(vmax(a, vsub(vzero(), a)), vmax(c, vsub(vzero(), c))));
       const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      const float fine = d / 254.f, ifine = amax > 0.f ? 254.f * 127.f / amax : 0.f;
       const V qa = vround(vmul(a, vset(id))), qc = vround(vmul(c, vset(id)));
+      // The residuals, within half a coarse step: |r| <= 127 fine steps (clamped for rounding).
+      const V lim = vset(127.f);
+      const V ra = vmax(vmin(vround(vmul(vfnmadd(qa, vset(d), a), vset(ifine))), lim), vsub(vzero(), lim));
+      const V rc = vmax(vmin(vround(vmul(vfnmadd(qc, vset(d), c), vset(ifine))), lim), vsub(vzero(), lim));
       vst_i8(q.xq.data() + i, qa);
       vst_i8(q.xq.data() + i + 16, qc);
-      q.dx[m * nkb + b] = d;
-      q.sx[m * nkb + b] = d * (vhsum(qa) + vhsum(qc));
+      vst_i8(q.xr.data() + i, ra);
+      vst_i8(q.xr.data() + i + 16, rc);
+      q.dx[m * nkb + b] = fine;
+      q.sx[m * nkb + b] = fine * (254.f * (vhsum(qa) + vhsum(qc)) + vhsum(ra) + vhsum(rc));
     }
   }
   return q;
@@ -838,7 +850,66 @@ inline int32_t word(const int8_t* p) {
   return v;
 }
 
-// y[m .. m+R, 16 b .. 16 (b+W)] from blocks b .. b + W of a ``pack_blocks`` weight.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline VI times254(VI a) {  // (a << 8) - (a << 1)
+  return {_mm512_sub_epi32(_mm512_slli_epi32(a.v, 8), _mm512_slli_epi32(a.v, 1))};
+}
+inline VI vi_add(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+#else
+inline __m256i times254(__m256i a) {
+  return _mm256_sub_epi32(_mm256_slli_epi32(a, 8), _mm256_slli_epi32(a, 1));
+}
+inline VI times254(VI a) { return {times254(a.lo), times254(a.hi)}; }
+inline VI vi_add(VI a, VI b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+#endif
+
+// One 32-block of a tile: s[r][j] = 254 (u . xq) + (u . xr), the exact integer (|S| < 2^29)
+// of rows m + r and outputs 16 (b + j) .. (weights at pw, rows' bytes at xq / xr). Each weight
+// vector is loaded (and for Q4_1 unpacked) once for both passes and every row.
+template <int BITS, int R, int W>
+inline void qb_block(VI (&s)[R][W], const uint8_t* pw, int64_t stride, const int8_t* xq,
+                     const int8_t* xr, int64_t K) {
+  VI t[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) s[r][j] = t[r][j] = vi_zero();
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < 8; ++g) {
+      VI wv[W];
+      for (int j = 0; j < W; ++j) wv[j] = vi_ld(pw + j * stride + g * 64);
+      for (int r = 0; r < R; ++r) {
+        const VI a = vi_set(word(xq + r * K + 4 * g)), b = vi_set(word(xr + r * K + 4 * g));
+        for (int j = 0; j < W; ++j) {
+          s[r][j] = dot4(s[r][j], wv[j], a);
+          t[r][j] = dot4(t[r][j], wv[j], b);
+        }
+      }
+    }
+  } else {
+    for (int g = 0; g < 4; ++g) {
+      VI lo[W], hi[W];
+      for (int j = 0; j < W; ++j) {
+        const VI raw = vi_ld(pw + j * stride + g * 64);
+        lo[j] = vi_lo4(raw);
+        hi[j] = vi_hi4(raw);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = xq + r * K + 4 * g;
+        const int8_t* b = xr + r * K + 4 * g;
+        const VI al = vi_set(word(a)), ah = vi_set(word(a + 16));
+        const VI bl = vi_set(word(b)), bh = vi_set(word(b + 16));
+        for (int j = 0; j < W; ++j) {
+          s[r][j] = dot4(dot4(s[r][j], lo[j], al), hi[j], ah);
+          t[r][j] = dot4(dot4(t[r][j], lo[j], bl), hi[j], bh);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < W; ++j) s[r][j] = vi_add(times254(s[r][j]), t[r][j]);
+}
+
+// y[m .. m+R, 16 b .. 16 (b+W)] from blocks b .. b + W of a ``pack_blocks`` weight: per
+// 32-block y += d dx S + c sx in fp32 (S from ``qb_block``).
 template <int BITS, int R, int W, typename T>
 inline void qb_tile(const QuantRows& q, int64_t K, const uint8_t* pb, int64_t stride, T* y,
                     int64_t m, int64_t o0, int64_t O) {
@@ -848,36 +919,11 @@ inline void qb_tile(const QuantRows& q, int64_t K, const uint8_t* pb, int64_t st
   zero(acc);
   for (int64_t kb = 0; kb < nkb; ++kb) {
     VI s[R][W];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < W; ++j) s[r][j] = vi_zero();
-    const int8_t* xr = q.xq.data() + m * K + kb * QBLOCK;
-    if constexpr (BITS == 8) {
-      for (int g = 0; g < 8; ++g) {
-        VI wv[W];
-        for (int j = 0; j < W; ++j) wv[j] = vi_ld(pb + j * stride + kb * BB + g * 64);
-        for (int r = 0; r < R; ++r) {
-          const VI xb = vi_set(word(xr + r * K + 4 * g));
-          for (int j = 0; j < W; ++j) s[r][j] = dot4(s[r][j], wv[j], xb);
-        }
-      }
-    } else {
-      for (int g = 0; g < 4; ++g) {
-        VI lo[W], hi[W];
-        for (int j = 0; j < W; ++j) {
-          const VI raw = vi_ld(pb + j * stride + kb * BB + g * 64);
-          lo[j] = vi_lo4(raw);
-          hi[j] = vi_hi4(raw);
-        }
-        for (int r = 0; r < R; ++r) {
-          const VI xl = vi_set(word(xr + r * K + 4 * g));
-          const VI xh = vi_set(word(xr + r * K + 16 + 4 * g));
-          for (int j = 0; j < W; ++j) s[r][j] = dot4(dot4(s[r][j], lo[j], xl), hi[j], xh);
-        }
-      }
-    }
+    const uint8_t* pw = pb + kb * BB;
+    const int64_t xo = m * K + kb * QBLOCK;
+    qb_block<BITS>(s, pw, stride, q.xq.data() + xo, q.xr.data() + xo, K);
     for (int j = 0; j < W; ++j) {
-      const uint8_t* scales = pb + j * stride + kb * BB + WB;
-      const V d = vld_f16(scales), c = vld_f16(scales + 32);
+      const V d = vld_f16(pw + j * stride + WB), c = vld_f16(pw + j * stride + WB + 32);
       for (int r = 0; r < R; ++r) {
         const int64_t i = (m + r) * nkb + kb;
         acc[r][j] = vfmadd(vmul(vi_float(s[r][j]), vset(q.dx[i])), d, acc[r][j]);
@@ -897,7 +943,7 @@ inline void qb_rest(int64_t r, const QuantRows& q, int64_t K, const uint8_t* pb,
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int QB_ROWS = 4, QB_BLOCKS = 2;  // 8 int32 + 8 fp32 accumulators
+constexpr int QB_ROWS = 2, QB_BLOCKS = 4;  // 8 int32 + 8 fp32 accumulators
 #else
 constexpr int QB_ROWS = 2, QB_BLOCKS = 1;  // each a pair of ymm registers
 #endif
@@ -917,8 +963,9 @@ void matvec_qb(const T* x, const Mat& w, T* y, int64_t M) {
         const int64_t r = std::min<int64_t>(R, M - m);
         if (b + NB <= blocks) {
           qb_rest<BITS, NB, T, R>(r, q, K, pb, stride, y, m, b * LANES, w.O);
-        } else {
-          qb_rest<BITS, 1, T, R>(r, q, K, pb, stride, y, m, b * LANES, w.O);
+        } else {  // the last group's blocks one by one
+          for (int64_t c = b; c < blocks; ++c)
+            qb_rest<BITS, 1, T, R>(r, q, K, base + c * stride, stride, y, m, c * LANES, w.O);
         }
       }
     }

@@ -36,10 +36,11 @@ def random_blocks(
 
 def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """|y - x @ w.T| can reach, per output, when each activation moves by up to half its
-    32-block's step (max |x| / 254), plus fp32 sums: the contract's tolerance."""
+    32-block's fine step (max |x| / (127 * 254): the second int8 pass's grid), plus fp32 sums:
+    the contract's tolerance."""
     m, k = x.shape
     xb = x.double().view(m, k // 32, 32)
-    step = xb.abs().amax(dim=2) / 254  # [M, K/32]
+    step = xb.abs().amax(dim=2) / (2 * 127 * 254)  # [M, K/32]
     wsum = w.double().abs().view(w.shape[0], k // 32, 32).sum(dim=2)  # [O, K/32]
     return step @ wsum.T + 1e-5 * (x.double().abs() @ w.double().abs().T)
 
@@ -151,10 +152,12 @@ POSITIONS = 24
 def test_the_q4_model_follows_the_float32_model_on_its_dequantized_weights() -> None:
     """Teacher-forced over the eval prompts: at each position of the float32 model's greedy
     answer (the file's dequantized weights, no quantized product), the model on the file's Q4_1
-    blocks (float32 activations: the only new error is their rounding to 8 bits) picks the same
-    token on >= 95 % of positions; the mean |log-probability| gap of the chosen tokens is printed
-    and bounded. Measured (12 prompts x 24 positions): 278 / 288 equal, MAE 0.034 (in bfloat16
-    activations 274 / 288, 0.042; the bf16 model on the dense weights 279 / 288, 0.021)."""
+    blocks (float32 activations: the only new error is their rounding to the 15-bit grid of two
+    int8 passes) picks the same token on >= 99 % of positions (the issue asks 95 %), and the
+    mean |log-probability| gap of the chosen tokens is printed and bounded. Measured (12
+    prompts x 24 positions): 288 / 288 equal, MAE 0.0002 (one int8 pass, as llama.cpp quantizes
+    activations: 278 / 288, 0.034; in bfloat16 activations 282 / 288, 0.022, against the bf16
+    model on the dense weights' 279 / 288, 0.021)."""
     cpu_weights = "q4"
     from tandem import LLM, SamplingParams
     from tandem.models.builtin import builtin_model_path
@@ -183,24 +186,34 @@ def test_the_q4_model_follows_the_float32_model_on_its_dequantized_weights() -> 
             gaps.append(abs(top.top_logprobs[top.top_token_ids.index(w)] - lp))
     mae = sum(gaps) / len(gaps)
     print(f"{cpu_weights}: greedy equal {equal}/{len(want)}, chosen-token logprob MAE {mae:.4f}")
-    assert equal >= 0.95 * len(want)
-    assert len(gaps) >= 0.98 * len(want) and mae < 0.15
+    assert equal >= 0.99 * len(want)
+    assert len(gaps) >= 0.99 * len(want) and mae < 0.005
 
 
-def test_any_llama_model_serves_q8_blocks(tmp_path: Path) -> None:
-    """``q8`` on a model without GGUF blocks: its matrices quantized at load, the fast path's
-    products reading the blocks, its eager modules the dequantized values."""
+def test_any_llama_model_serves_q8_blocks_held_once(tmp_path: Path) -> None:
+    """``q8`` on a model without GGUF blocks: its matrices quantized at load (Q8_0 of the
+    checkpoint's values), the fast path's products reading the blocks, and the dense matrices
+    freed (one copy of the model in memory; the tied embedding keeps its rows)."""
+    from safetensors.torch import load_file
+
     from tandem import LLM, SamplingParams
-    from tandem.models.cpu_linears import QUANT_BLOCKS
 
     folder = build_llama(tmp_path / "tiny", tie=True)
+    state = load_file(str(folder / "model.safetensors"))
     with LLM(str(folder), dtype="float32", cpu_weights="q8", max_num_seqs=2) as llm:
-        model = llm.engine.executor.worker.model.model
-        layer = model.layers[0]
-        for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
-            q, d, m = getattr(linear.weight, QUANT_BLOCKS)
-            assert m is None and linear.fast_weight.dtype == torch.uint8
-            assert torch.equal(linear.weight, cpu_decode.dequantize_blocks(q, d, m, torch.float32))
+        model = llm.engine.executor.worker.model
+        layer = model.model.layers[0]
+        parts = {
+            layer.self_attn.qkv_proj: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            layer.mlp.down_proj: ["mlp.down_proj"],
+        }
+        for linear, names in parts.items():
+            dense = torch.cat([state[f"model.layers.0.{n}.weight"] for n in names]).float()
+            want = cpu_decode.pack_blocks(*cpu_decode.quantize_q8_0(dense), None)
+            assert torch.equal(linear.fast_weight, want)
+            assert linear.weight.device.type == "meta"  # freed: the blocks serve every product
+        assert model.lm_head.weight.device.type == "meta"
+        assert model.model.embed_tokens.weight.device.type == "cpu"
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6))
         assert len(out[0].outputs[0].token_ids) == 6
 
