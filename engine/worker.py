@@ -26,6 +26,7 @@ from tandem.models.cpu_linears import (
     pack_cpu_linears,
     quantize_blocks_,
     quantize_int8_,
+    release_dense_weights_,
     use_cpu_matvec_linears,
     use_cpu_matvec_lm_heads,
 )
@@ -235,6 +236,11 @@ class Worker:
             pack_cpu_linears(self.model)
             if spec is not None and spec.draft is not None:
                 pack_cpu_linears(spec.draft)
+            if reason is None:  # every product reads a packed copy: hold the model once
+                n = release_dense_weights_(self.model)
+                if spec is not None and spec.draft is not None:
+                    n += release_dense_weights_(spec.draft)
+                logger.info("CPU fast path: %d dense matrices freed (packed copies serve)", n)
         if mc.cpu_weights != "dtype" and reason is not None:
             raise ValueError(
                 f"cpu_weights={mc.cpu_weights!r} needs the CPU decode fast path (a CPU device, "

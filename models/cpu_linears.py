@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import cpu_decode
-from tandem.models.layers import LinearBase, ParallelLMHead, packed_linear
+from tandem.models.layers import (
+    LinearBase,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    packed_linear,
+)
 
 INT8_ROWS = "int8_rows"  # a weight's attribute: its (q, scale) from ``quantize_int8_``
 QUANT_BLOCKS = "quant_blocks"  # a weight's attribute: its (q, d, m) from ``quantize_blocks_``
@@ -100,6 +105,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         return cpu_decode.pack_blocks(*blocks)
     rows = getattr(weight, INT8_ROWS, None)
     return cpu_decode.pack(weight) if rows is None else cpu_decode.pack_int8(*rows)
+
+
+def release_dense_weights_(model: nn.Module) -> int:
+    """Free the dense weight of every bias-free linear and LM head of ``model`` whose products
+    all read the CPU fast path's packed copy (``fast_weight``: the eager steps' products too),
+    so the model is held once, not twice: each such ``weight`` becomes a meta tensor of its
+    shape and dtype (a read of its values fails loudly, never computes with zeros). A weight
+    an embedding shares (tied) stays. Inference only. Returns how many were freed."""
+    embeddings = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, VocabParallelEmbedding))
+        and not isinstance(m, ParallelLMHead)
+    }
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, (LinearBase, ParallelLMHead)) or m.fast_weight is None:
+            continue
+        w = m.weight
+        if getattr(m, "bias", None) is not None or w.device.type != "cpu" or id(w) in embeddings:
+            continue
+        m.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), False)
+        n += 1
+    return n
 
 
 def _pack_for_cpu_matvec(modules: Iterable[nn.Module]) -> int:

@@ -157,9 +157,10 @@ class LinearBase(nn.Module):
             self.fast_weight is not None
             and bias is None
             and x.dim() == 2
-            and x.shape[0] > 0
             and x.dtype == self.weight.dtype
-        ):
+        ):  # (the dense weight may be gone: ``release_dense_weights_``)
+            if x.shape[0] == 0:
+                return x.new_empty((0, self.weight.shape[0]))
             return cpu_decode.linear(x, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
@@ -368,9 +369,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if (
             self.fast_weight is not None
             and hidden.dim() == 2
-            and hidden.shape[0] > 0
             and hidden.dtype == self.weight.dtype
         ):
+            if hidden.shape[0] == 0:
+                return hidden.new_empty((0, self.weight.shape[0]))
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])
         if self.packed_weight is not None:
             return packed_linear(hidden, self.packed_weight, None)

@@ -278,8 +278,9 @@ def test_large_steps_and_unsupported_models_use_the_eager_path(
 
 def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
     """Steps too large for the fast path run the eager layers, whose linears read the fast
-    path's packed matrices (the same tensors: one packed copy in memory, no oneDNN copy); a
-    prefill of more than MAX_ROWS rows through them still gives transformers' greedy output."""
+    path's packed matrices (the same tensors: one packed copy in memory, no oneDNN copy, the
+    dense weights freed); a prefill of more than MAX_ROWS rows through them still gives
+    transformers' greedy output."""
     prompts = [list(range(1, cpu_decode.MAX_ROWS + 30)), [7, 8, 9]]
     ref = hf_greedy(tiny, prompts, 8)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -294,6 +295,7 @@ def test_eager_steps_share_the_fast_paths_packed_weights(tiny: Path) -> None:
             for linear, j in zip(linears, (1, 2, 4, 5), strict=True):
                 assert linear.fast_weight is fast.weights[i * per_layer + j]
                 assert linear.packed_weight is None
+                assert linear.weight.device.type == "meta"  # the dense copy is freed
         outs = llm.generate(prompts, params)
     assert_greedy_matches(outs, ref)
 

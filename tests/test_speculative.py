@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from checkpoints import (
     add_mtp_layers,
@@ -173,7 +174,9 @@ def test_mtp_draft_vocabulary(models, tmp_path: Path) -> None:
     spec = {"method": "mtp", "num_speculative_tokens": k}
     with LLM(str(models["perfect"])) as llm:
         base = _tokens(llm.generate(PROMPTS, params))
-        target_head = llm.engine.executor.worker.model.lm_head.weight.detach().clone()
+    # The checkpoint's rows (the engine holds the LM head packed for the CPU fast path only).
+    state = load_file(str(models["perfect"] / "model.safetensors"))
+    target_head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
     said = sorted({t for out in base for t in out})
     counts = {t: sum(out.count(t) for out in base) for t in said}
     dropped = max(said, key=lambda t: counts[t])
@@ -194,7 +197,13 @@ def test_mtp_draft_vocabulary(models, tmp_path: Path) -> None:
     out, drafted, stats, draft = run(full_vocab)
     assert out == base and stats.mean_tokens_per_step == k + 1
     assert draft.draft_vocab_size == len(ids) and set(drafted) <= set(ids) and drafted
-    assert torch.equal(draft.lm_head_weight, target_head[ids])  # the target's own rows
+    rows, head = target_head[ids], draft.draft_lm_head or draft.lm_head  # the target's own rows
+    if head.weight.is_meta:  # freed: the CPU fast path's packed copy holds them
+        from tandem.kernels import cpu_decode
+
+        assert torch.equal(head.fast_weight, cpu_decode.pack(rows.to(head.weight.dtype)))
+    else:
+        assert torch.equal(draft.lm_head_weight, rows)
     assert torch.equal(draft.to_target_ids(torch.arange(len(ids))), torch.tensor(ids))
 
     out, drafted, stats, _ = run(short_vocab)
@@ -576,8 +585,9 @@ def test_int8_draft_quantization(
             assert {w.dtype for w in packed} == {torch.int8 if quantized else torch.bfloat16}
             target_head = worker.model.lm_head.weight
             assert target_head.dtype == torch.float32 and draft.lm_head.weight is not target_head
-            if not with_lm_head and quantized:
-                borrowed = target_head.detach().clone()
+            if not with_lm_head and quantized:  # the target's rows, from its checkpoint
+                state = load_file(str(models["target"] / "model.safetensors"))
+                borrowed = state.get("lm_head.weight", state["model.embed_tokens.weight"])
             runs.append(_step_through(llm, PROMPTS, params))
     assert runs[0][0] == runs[1][0] == baseline["target"]
     got, ref = _all_drafts(runs[0][1]), _all_drafts(runs[1][1])
