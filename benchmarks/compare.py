@@ -30,7 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.compare_systems import TandemSystem, TransformersSystem, run_interleaved
+from tandem.bench.compare_systems import (
+    LlamaCppSystem,
+    TandemSystem,
+    TransformersSystem,
+    run_interleaved,
+)
 from tandem.bench.compare_tables import (
     Row,
     format_step_costs,
@@ -142,6 +147,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(rewrite, fix, summarise a text or code given in the prompt)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--cpu-weights",
+        default="dtype",
+        metavar="W[,W...]",
+        help="the CPU fast path's matrices of every Tandem row (dtype, q8, q4: --cpu-weights of "
+        "tandem serve); a list repeats each Tandem row for each value (named [W])",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        default=None,
+        metavar="PYTHON",
+        help="a llama.cpp row (batch 1): an interpreter that imports llama_cpp "
+        "(llama-cpp-python in a scratch venv; never a dependency of ours), on --gguf",
+    )
+    p.add_argument(
+        "--gguf", default=None, metavar="FILE", help="llama.cpp's file (default: the built-in's)"
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (the same for every system)")
     p.add_argument("--prompts", default=None, metavar="FILE", help="JSONL {prompt} (eval set)")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -337,7 +359,23 @@ def _main(ns: argparse.Namespace) -> int:
                 "transformers generate with the assistant",
                 lambda: TransformersSystem(model, cfg, prompts[0], ns.assistant_model),
             )
-        add("tandem", lambda: TandemSystem(model, cfg, None, "tandem", prompts[0]))
+        weights = [w.strip() for w in ns.cpu_weights.split(",") if w.strip()]
+        if not weights or any(w not in ("dtype", "q8", "q4") for w in weights):
+            raise BenchError(f"--cpu-weights {ns.cpu_weights!r}: a list of dtype, q8, q4")
+
+        def add_tandem(
+            name: str, spec: dict[str, Any] | None, sampling: dict[str, Any] | None = None
+        ) -> None:
+            for w in weights:
+                label = name if w == "dtype" else f"{name} [{w}]"
+                add(
+                    label,
+                    lambda w=w, label=label: TandemSystem(
+                        model, cfg, spec, label, prompts[0], sampling, cpu_weights=w
+                    ),
+                )
+
+        add_tandem("tandem", None)
         methods = [("eagle3", eagle3, eagle3_why), ("mtp", mtp, mtp_why)]
         methods.append(("ngram", ngram, f"skipped (--ngram {NONE})"))
         methods.append(("suffix", suffix, f"skipped (--suffix {NONE})"))
@@ -347,10 +385,7 @@ def _main(ns: argparse.Namespace) -> int:
                 name = f"tandem + {method} (adaptive, schedule {json.dumps(schedule)})"
                 spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
                 spec.pop("disable_by_batch_size", None)
-                add(
-                    name,
-                    lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
-                )
+                add_tandem(name, spec)
             for topk, n in [(1, k), *trees] if method in ("eagle3", "mtp") else [(1, k)]:
                 how = [f"K={k}"] + ([f"topk {topk} N {n}"] if topk > 1 else [])
                 if ns.draft_quantization != "none":
@@ -362,18 +397,22 @@ def _main(ns: argparse.Namespace) -> int:
                     entries.append(Row(name, by_concurrency=dict(na), note=why))
                     continue
                 spec = chain if topk == 1 else {**chain, "topk": topk, "num_draft_tokens": n}
-                add(
-                    name,
-                    lambda spec=spec, name=name: TandemSystem(model, cfg, spec, name, prompts[0]),
-                )
+                add_tandem(name, spec)
                 if method == "eagle3" and topk == 1:  # what a penalty costs under speculation
                     pen = f"{name[:-1]}, presence_penalty {PENALTY})"
-                    add(
-                        pen,
-                        lambda spec=spec, pen=pen: TandemSystem(
-                            model, cfg, spec, pen, prompts[0], {"presence_penalty": PENALTY}
-                        ),
-                    )
+                    add_tandem(pen, spec, {"presence_penalty": PENALTY})
+        if ns.llama_cpp is not None:
+            gguf = ns.gguf
+            if gguf is None and builtin:
+                from tandem.models.builtin import find_gguf
+
+                gguf = str(find_gguf())
+            if gguf is None or not Path(gguf).is_file():
+                raise BenchError("--llama-cpp needs --gguf FILE (a model other than the built-in)")
+            add(
+                "llama.cpp",
+                lambda: LlamaCppSystem(ns.llama_cpp, gguf, cfg, prompts[0], model),
+            )
         print("running every system in turn ...", flush=True)
         # The roofline's bandwidth is probed between the batch-1 prompts: the same phase of a
         # machine whose speed drifts as the batch-1 figures it bounds.
@@ -437,6 +476,7 @@ def _main(ns: argparse.Namespace) -> int:
         "batch1_prompts": cfg.batch1_prompts,
         "rounds": cfg.rounds,
         "draft_quantization": ns.draft_quantization,
+        "cpu_weights": ns.cpu_weights,
         "rows": [
             {
                 "name": r.name,
@@ -451,6 +491,7 @@ def _main(ns: argparse.Namespace) -> int:
                     )
                 ),
                 "note": r.note,
+                "rss_mib": r.rss_mib,
             }
             for r in rows
         ],

@@ -5,8 +5,10 @@ throughput, and the interleaved run that gives every system the same machine."""
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tandem.bench.compare_tables import Row
@@ -25,14 +27,19 @@ class TandemSystem:
         name: str,
         warm_up: list[int],
         sampling: dict[str, Any] | None = None,
+        cpu_weights: str = "dtype",
     ) -> None:
-        """``sampling``: more greedy sampling parameters for every request (penalties)."""
+        """``sampling``: more greedy sampling parameters for every request (penalties);
+        ``cpu_weights``: the engine's ``cpu_weights``. The row's RSS is what loading the engine
+        added to this process."""
         from tandem.engine.config import EngineArgs
         from tandem.engine.llm_engine import LLMEngine
         from tandem.engine.sampling_params import SamplingParams
 
         self.row = Row(name)
         self.spec = spec
+        gc.collect()
+        before = rss_mib()
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(
                 model=model,
@@ -41,8 +48,10 @@ class TandemSystem:
                 max_num_seqs=max(cfg.concurrency),
                 enable_prefix_caching=False,  # every run prefills like the first
                 speculative_config=spec,
+                cpu_weights=cpu_weights,
             )
         )
+        self.row.rss_mib = rss_mib() - before
         from tandem.engine.structured_output import StructuredSpec
 
         structured = StructuredSpec("json_schema", cfg.json_schema) if cfg.json_schema else None
@@ -108,6 +117,92 @@ class TandemSystem:
             self.engine.shutdown()
             del self.engine
             gc.collect()
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    """Resident memory of a process (this one by default), MiB (Linux; 0 elsewhere)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# The llama.cpp runner's side, run by another interpreter: one JSON line per request on stdin
+# ({"ids", "max_tokens", "stop_at_eos"}), one line back ({"tokens", "seconds"}: after the first).
+LLAMA_CPP_RUNNER = """
+import json, sys, time
+from llama_cpp import Llama
+cfg = json.loads(sys.stdin.readline())
+llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
+            n_threads_batch=cfg["threads"], verbose=False)
+eos = llm.token_eos()
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    times = []
+    for tok in llm.generate(req["ids"], top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if (req["stop_at_eos"] and tok == eos) or len(times) >= req["max_tokens"]:
+            break
+    out = {"tokens": len(times) - 1, "seconds": times[-1] - times[0] if times else 0.0}
+    print(json.dumps(out), flush=True)
+"""
+
+
+class LlamaCppSystem:
+    """llama.cpp on a GGUF file through llama-cpp-python, in the interpreter ``python`` (a
+    scratch venv: never one of our dependencies), greedy, one sequence at a time: the batch-1
+    column only. The row's RSS is that process's."""
+
+    def __init__(
+        self, python: str, gguf: str, cfg: BenchConfig, warm_up: list[int], model: str
+    ) -> None:
+        import subprocess
+
+        import torch
+
+        self.row = Row("llama.cpp", note=f"llama-cpp-python, {Path(gguf).name}, batch 1 only")
+        self.cfg = cfg
+        self.proc = subprocess.Popen(
+            [python, "-c", LLAMA_CPP_RUNNER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        setup = {"gguf": gguf, "n_ctx": 4096, "threads": torch.get_num_threads()}
+        ready = self._ask(setup)
+        if not ready.get("ready"):
+            raise BenchError(f"llama.cpp runner did not start: {ready}")
+        self._ask({"ids": warm_up, "max_tokens": 4, "stop_at_eos": False})
+        self.row.rss_mib = rss_mib(self.proc.pid)
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise BenchError(f"llama.cpp runner exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def batch1(self, ids: list[int]) -> tuple[int, float, int | None]:
+        cfg = self.cfg
+        got = self._ask({"ids": ids, "max_tokens": cfg.max_tokens, "stop_at_eos": cfg.stop_at_eos})
+        return int(got["tokens"]), float(got["seconds"]), None
+
+    def aggregate(self, prompts: list[list[int]], conc: int) -> tuple[int, float] | None:
+        return None  # one sequence at a time
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except Exception:
+            self.proc.kill()
 
 
 class StepTimes:

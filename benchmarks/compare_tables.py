@@ -85,6 +85,7 @@ class Row:
     batch1_steps: int | None = None  # decode steps of the batch-1 column (Tandem rows)
     batch1_tokens: int = 0
     batch1_seconds: float = 0.0
+    rss_mib: float | None = None  # resident memory the system added (its own process: all of it)
 
 
 def format_table(rows: list[Row], concurrency: list[int], baseline: dict[str, Row | None]) -> str:
@@ -97,11 +98,13 @@ def format_table(rows: list[Row], concurrency: list[int], baseline: dict[str, Ro
     def line(label: str, cells: list[str], tail: str = "") -> str:
         return f"{label:<{name_w}}" + "".join(f"{c:>10}" for c in cells) + tail
 
-    out = [line("tokens/s", cols, f"{'tok/step':>10}")]
+    out = [line("tokens/s", cols, f"{'tok/step':>10}{'RSS MiB':>10}")]
     for r in rows:
         cells = ["n/a" if v is None else f"{v:.1f}" for v in values(r)]
         tps = f"{r.tokens_per_step:.2f}" if r.tokens_per_step else "-"
-        out.append(line(r.name, cells, f"{tps:>10}" + (f"   {r.note}" if r.note else "")))
+        rss = f"{r.rss_mib:.0f}" if r.rss_mib is not None else "-"
+        note = f"   {r.note}" if r.note else ""
+        out.append(line(r.name, cells, f"{tps:>10}{rss:>10}" + note))
     for title, base in baseline.items():
         out.append("")
         if base is None or all(v is None for v in values(base)):
