@@ -311,6 +311,17 @@ def _main(ns: argparse.Namespace) -> int:
             schedule = json.loads(ns.schedule)
         except ValueError as e:
             raise BenchError(f"--schedule: {e}") from None
+    gguf = ns.gguf
+    if ns.llama_cpp is not None:
+        if gguf is None and builtin:
+            from tandem.models.builtin import find_gguf
+
+            gguf = str(find_gguf())
+        if gguf is None or not Path(gguf).is_file():
+            raise BenchError(f"--llama-cpp needs --gguf FILE (a GGUF file; got {gguf!r})")
+    weights = [w.strip() for w in ns.cpu_weights.split(",") if w.strip()]
+    if not weights or any(w not in ("dtype", "q8", "q4") for w in weights):
+        raise BenchError(f"--cpu-weights {ns.cpu_weights!r}: a list of dtype, q8, q4")
     cfg = BenchConfig(
         dtype=ns.dtype,
         device=ns.device,
@@ -359,9 +370,6 @@ def _main(ns: argparse.Namespace) -> int:
                 "transformers generate with the assistant",
                 lambda: TransformersSystem(model, cfg, prompts[0], ns.assistant_model),
             )
-        weights = [w.strip() for w in ns.cpu_weights.split(",") if w.strip()]
-        if not weights or any(w not in ("dtype", "q8", "q4") for w in weights):
-            raise BenchError(f"--cpu-weights {ns.cpu_weights!r}: a list of dtype, q8, q4")
 
         def add_tandem(
             name: str, spec: dict[str, Any] | None, sampling: dict[str, Any] | None = None
@@ -402,13 +410,6 @@ def _main(ns: argparse.Namespace) -> int:
                     pen = f"{name[:-1]}, presence_penalty {PENALTY})"
                     add_tandem(pen, spec, {"presence_penalty": PENALTY})
         if ns.llama_cpp is not None:
-            gguf = ns.gguf
-            if gguf is None and builtin:
-                from tandem.models.builtin import find_gguf
-
-                gguf = str(find_gguf())
-            if gguf is None or not Path(gguf).is_file():
-                raise BenchError("--llama-cpp needs --gguf FILE (a model other than the built-in)")
             add(
                 "llama.cpp",
                 lambda: LlamaCppSystem(ns.llama_cpp, gguf, cfg, prompts[0], model),

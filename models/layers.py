@@ -366,11 +366,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [T, local_vocab]."""
-        if (
-            self.fast_weight is not None
-            and hidden.dim() == 2
-            and hidden.dtype == self.weight.dtype
-        ):
+        if self.fast_weight is not None and hidden.dim() == 2 and hidden.dtype == self.weight.dtype:
             if hidden.shape[0] == 0:
                 return hidden.new_empty((0, self.weight.shape[0]))
             return cpu_decode.linear(hidden, self.fast_weight, self.weight.shape[0])

@@ -167,7 +167,8 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         default="auto",
         help="the CPU fast path's matrices: dtype (the weights in --dtype), q8 (Q8_0 blocks "
         "quantized at load, any Llama-family model), q4 (the built-in model's own GGUF Q4_1 "
-        "blocks, Q8_0 LM head); auto: dtype for now",
+        "blocks, Q8_0 LM head); auto: q4 for the built-in model without --dtype where the fast "
+        "path runs, else dtype",
     )
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument(
@@ -353,16 +354,19 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
                 '--speculative-config must be a JSON object, e.g. \'{"method": "mtp"}\''
             )
     names = ns.served_model_name or []
-    model, dtype = ns.model, ns.dtype
+    model, dtype, cpu_weights = ns.model, ns.dtype, ns.cpu_weights
     if model is None:  # the built-in SmolLM2-135M-Instruct, converted once into the cache
         from tandem.models.builtin import (
             builtin_default_dtype,
+            builtin_default_weights,
             builtin_model_path,
         )
 
         model = builtin_model_path()
         if dtype == "auto":  # the folder is float32; serve in what runs fastest here
             dtype = builtin_default_dtype(ns.device)
+            if cpu_weights == "auto":
+                cpu_weights = builtin_default_weights(ns.device)
         if not spec_off:  # the shipped Eagle3 head by default; a shipped method gets its head
             from tandem.models.heads import builtin_speculative_config
 
@@ -398,7 +402,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         revision=ns.revision,
         download_dir=ns.download_dir,
         generation_config=ns.generation_config,
-        cpu_weights=ns.cpu_weights,
+        cpu_weights=cpu_weights,
     )
 
 

@@ -323,11 +323,14 @@ def test_serve_without_model_uses_the_builtin_model(
     # bf16 where the CPU decode fast path runs (the folder is float32), --dtype honoured.
     fast = cpu_decode.unavailable_reason() is None
     assert args.dtype == ("bfloat16" if fast else "float32")
-    # The dtype's matrices unless --cpu-weights says (q4 is opt-in: see README).
-    assert args.cpu_weights == "auto"
-    q4 = engine_args_from(build_parser().parse_args(["serve", "--cpu-weights", "q4"]))
-    assert q4.cpu_weights == "q4" and q4.dtype == args.dtype
+    # The file's own Q4_1 blocks where the fast path runs, unless --dtype or --cpu-weights say.
+    assert args.cpu_weights == ("q4" if fast else "dtype")
+    pinned = engine_args_from(build_parser().parse_args(["serve", "--dtype", "bfloat16"]))
+    assert pinned.cpu_weights == "auto"
+    q8 = engine_args_from(build_parser().parse_args(["serve", "--cpu-weights", "q8"]))
+    assert q8.cpu_weights == "q8" and q8.dtype == args.dtype
     monkeypatch.setenv(cpu_decode.ENV_VAR, "0")  # no fast path: fp32 products are faster
     assert engine_args_from(build_parser().parse_args(["serve"])).dtype == "float32"
+    assert engine_args_from(build_parser().parse_args(["serve"])).cpu_weights == "dtype"
     explicit = engine_args_from(build_parser().parse_args(["serve", "/some/folder"]))
     assert explicit.model == "/some/folder"
