@@ -756,9 +756,9 @@ class EngineArgs:
     length; -1 (``MAX_MODEL_LEN_AUTO``, or "auto") the longest request the KV cache holds.
     ``generation_config``: "auto" (the model folder's generation_config.json gives the server's
     sampling defaults), "vllm" (none: OpenAI's defaults) or a folder to read it from.
-    ``cpu_weights``: the CPU fast path's matrices, "dtype" (the weights in ``dtype``; "auto" means
-    it for now), "q8" (Q8_0 blocks quantized at load) or "q4" (the built-in model's own GGUF
-    Q4_1 blocks)."""
+    ``cpu_weights``: the CPU fast path's matrices, "dtype" (the weights in ``dtype``; what "auto"
+    resolves to here: ``tandem serve`` picks "q4" for the built-in model before), "q8" (Q8_0
+    blocks quantized at load) or "q4" (the built-in model's own GGUF Q4_1 blocks)."""
 
     model: str
     tokenizer: str | None = None
