@@ -98,9 +98,9 @@ def builtin_default_weights(device: str = "auto") -> str:
     """The CPU fast path's matrices for ``tandem serve`` with no MODEL and no ``--dtype``: the
     file's own Q4_1 blocks (``q4``) where the fast path runs on a CPU, else the dtype's
     weights. Measured on a 2-core AVX-512 BF16 EPYC (``tandem bench compare``, 8 eval chat
-    prompts at batch 1, bf16): 252.9 tokens/s against 130.4 with the bf16 matrices (llama.cpp
-    on the same file: 137.8), 225.0 against 168.5 with the default Eagle3 speculation; at 16
-    streams the bf16 matrices are faster (970.7 against 831.6 tokens/s)."""
+    prompts at batch 1, bf16): 261.2 tokens/s against 126.5 with the bf16 matrices (llama.cpp
+    on the same file: 153.7) and 166.9 with them and Eagle3; at 16 streams the bf16 matrices
+    are faster (877.8 against 807.3 tokens/s)."""
     from tandem.kernels import cpu_decode
     from tandem.models.device import resolve_device
 

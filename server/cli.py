@@ -367,7 +367,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
             dtype = builtin_default_dtype(ns.device)
             if cpu_weights == "auto":
                 cpu_weights = builtin_default_weights(ns.device)
-        if not spec_off:  # the shipped Eagle3 head by default; a shipped method gets its head
+        # The shipped Eagle3 head by default, and a shipped method gets its head; on the file's
+        # own 4-bit blocks none by default: there plain decoding was faster at every load we
+        # measured (README, "The built-in model at its file's precision").
+        if not spec_off and (spec is not None or cpu_weights != "q4"):
             from tandem.models.heads import builtin_speculative_config
 
             spec = builtin_speculative_config(spec)

@@ -201,13 +201,15 @@ def test_offline_engine_answers_paris(llm: LLM) -> None:
 
 
 def test_serve_without_model_speculates_and_answers_paris(folder: Path) -> None:
-    """`tandem serve` with no MODEL (what `make serve` runs), through the official client: the
-    built-in model answers, with the shipped Eagle3 head drafting by default."""
+    """`tandem serve` with no MODEL (what `make serve` runs, its default weights) and the
+    shipped Eagle3 head (asked for: on the file's 4-bit blocks it is not the default), through
+    the official client: the built-in model answers, the head drafting."""
     from openai import OpenAI
 
     from tests.server_utils import RemoteServer, metric, scrape_metrics
 
-    args = ["--max-num-seqs", "2", "--kv-cache-memory", "64MiB"]  # the default dtype
+    args = ["--max-num-seqs", "2", "--kv-cache-memory", "64MiB"]  # the default dtype, weights
+    args += ["--speculative-config", '{"method": "eagle3"}']
     with RemoteServer(None, args) as server:  # $TANDEM_CACHE (the fixture) finds `folder`
         client = OpenAI(base_url=server.url("/v1"), api_key="none")
         [served] = [m.id for m in client.models.list().data]
@@ -218,7 +220,7 @@ def test_serve_without_model_speculates_and_answers_paris(folder: Path) -> None:
         samples = scrape_metrics(server)
         drafts = metric(samples, "tandem:spec_decode_num_draft_tokens_total")
         steps = metric(samples, "tandem:spec_decode_num_drafts_total")
-    # K = 3 at one stream by default, adaptive: 1 to 3 drafts a step.
+    # K = 3 (the shipped head's default): 1 to 3 drafts a step (fewer near the end).
     assert steps >= 1 and steps <= drafts <= 3 * steps, (steps, drafts)
 
 
@@ -323,10 +325,14 @@ def test_serve_without_model_uses_the_builtin_model(
     # bf16 where the CPU decode fast path runs (the folder is float32), --dtype honoured.
     fast = cpu_decode.unavailable_reason() is None
     assert args.dtype == ("bfloat16" if fast else "float32")
-    # The file's own Q4_1 blocks where the fast path runs, unless --dtype or --cpu-weights say.
+    # The file's own Q4_1 blocks where the fast path runs, unless --dtype or --cpu-weights say;
+    # no speculation by default on them (measured slower there), the Eagle3 head otherwise.
     assert args.cpu_weights == ("q4" if fast else "dtype")
+    assert (args.speculative_config is None) == fast
     pinned = engine_args_from(build_parser().parse_args(["serve", "--dtype", "bfloat16"]))
-    assert pinned.cpu_weights == "auto"
+    assert pinned.cpu_weights == "auto" and pinned.speculative_config["method"] == "eagle3"
+    asked = ["serve", "--cpu-weights", "q4", "--speculative-config", '{"method": "mtp"}']
+    assert engine_args_from(build_parser().parse_args(asked)).speculative_config["model"]
     q8 = engine_args_from(build_parser().parse_args(["serve", "--cpu-weights", "q8"]))
     assert q8.cpu_weights == "q8" and q8.dtype == args.dtype
     monkeypatch.setenv(cpu_decode.ENV_VAR, "0")  # no fast path: fp32 products are faster
