@@ -714,13 +714,15 @@ def test_builtin_serve_uses_the_shipped_heads_by_method(monkeypatch, tmp_path) -
     def spec(*argv: str) -> dict | None:
         return engine_args_from(build_parser().parse_args(["serve", *argv])).speculative_config
 
-    # The default: the shipped Eagle3 head, K by running requests, adaptive.
-    assert spec() == {
+    # The default on dense weights: the shipped Eagle3 head, K by running requests, adaptive
+    # (on the file's 4-bit blocks, the default where the CPU fast path runs, none).
+    assert spec("--cpu-weights", "dtype") == {
         "method": "eagle3",
         "model": builtin_head_path("eagle3"),
         "num_speculative_tokens": {"1": 3, "4": 2, "8": 0},
         "adaptive": True,
     }
+    assert spec("--cpu-weights", "q4") is None
     assert spec("--speculative-config", '{"method": "eagle3"}') == {
         "method": "eagle3",
         "model": builtin_head_path("eagle3"),
