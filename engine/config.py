@@ -335,9 +335,9 @@ class SpeculativeConfig:
     # from the target's whole vocabulary. Either way the target verifies every token.
     draft_vocab: str = "auto"
     # "int8": the draft head's matrices (its layers, fc / eh_proj and its own LM head; never the
-    # target's) become int8 rows with one scale each at start-up, and the CPU fast path's draft
-    # passes read those (half a bfloat16 head's bytes); verification keeps the output the
-    # target's. CPU only, with the fast path.
+    # target's) become Q8_0 blocks (int8, an fp16 scale per 32 weights) at start-up, and the CPU
+    # fast path's draft passes read those (0.56 of a bfloat16 head's bytes); verification keeps
+    # the output the target's. CPU only, with the fast path.
     draft_quantization: str = "none"
     # Draft trees (issue #35): every node proposes its ``topk`` best children per depth
     # (num_speculative_tokens depths) and the ``num_draft_tokens`` best nodes by cumulative draft
@@ -922,7 +922,7 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         spec = SpeculativeConfig.from_dict(self.speculative_config)
         if spec is not None and spec.draft_quantization != "none":
-            # Its int8 rows are read by the CPU fast path's products only (one rank).
+            # Its int8 blocks are read by the CPU fast path's products only (one rank).
             where = "a CPU device" if device.type != "cpu" else None
             if self.tensor_parallel_size != 1 or self.enable_attention_dp:
                 where = "one rank (no tensor or attention parallelism)"

@@ -222,7 +222,7 @@ class Worker:
                 if spec is not None and spec.draft is not None:
                     if int8:
                         n = quantize_int8_(spec.draft.modules())
-                        logger.info("draft head: %d matrices quantized to int8 rows", n)
+                        logger.info("draft head: %d matrices in Q8_0 blocks (int8)", n)
                     elif mc.cpu_weights != "dtype":  # the head's matrices in Q8_0 blocks too
                         n = quantize_blocks_(spec.draft)
                         logger.info("draft head: %d matrices in Q8_0 blocks", n)
@@ -247,7 +247,7 @@ class Worker:
                 f"one rank, a Llama-family target), and it is off here: {reason}"
             )
         if int8 and reason is not None:
-            # int8 rows only pay where the fast path's products read them.
+            # int8 blocks only pay where the fast path's products read them.
             raise ValueError(
                 "speculative_config.draft_quantization 'int8' needs the CPU decode fast path "
                 f"(a CPU device, one rank, a Llama-family target), and it is off here: {reason}"

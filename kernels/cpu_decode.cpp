@@ -128,9 +128,6 @@ inline void vst(uint16_t* p, V a, Mask k) {
 inline V vbf16(V a) {  // a rounded through bfloat16
   return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a.v), 16))};
 }
-inline V vld_i8(const int8_t* p) {  // 16 int8 -> fp32
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
 #if defined(__AVX512BF16__)
 constexpr const char* ISA = "avx512_bf16";
 // One K pair of 16 packed bfloat16 outputs (vdpbf16ps operands) and a row's activation pair.
@@ -298,11 +295,6 @@ inline __m256 bf16_value(__m256 v) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
 }
 inline V vbf16(V a) { return {bf16_value(a.lo), bf16_value(a.hi)}; }
-inline V vld_i8(const int8_t* p) {  // 16 int8 -> fp32
-  const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))};
-}
 // One K pair of 16 packed bfloat16 outputs, widened: even and odd K of outputs 0-7 and 8-15;
 // a row's activation pair, widened and broadcast.
 struct WPair {
@@ -419,8 +411,7 @@ constexpr int64_t LANES = 16;
 struct Mat {
   const void* p;
   int64_t O, K;
-  bool q8 = false;  // int8 blocks with their scales (``pack_int8``), whatever the activations
-  int qbits = 0;    // 8 or 4: Q8_0 / Q4_1 blocks (``pack_blocks``)
+  int qbits = 0;  // 8 or 4: Q8_0 / Q4_1 blocks (``pack_blocks``), whatever the activations
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -641,72 +632,6 @@ void matvec_rows(const X* x, const Mat& w, T* y, int64_t M) {
         rows<X, T, nb_max>(x, w, y, M, g * nb_max, next, nb * block_bytes);
       } else {
         for (int64_t b = g * nb_max; b < blocks; ++b) rows<X, T, 1>(x, w, y, M, b, nullptr, 0);
-      }
-    }
-  });
-}
-
-// ---------------------------------------------------------------- int8 weights
-// ``pack_int8``: per block of 16 outputs, int8 [K][16] (output o = 16 b + lane of step k), then
-// the 16 outputs' fp32 scales (64 bytes; padding outputs: weight and scale 0). A product widens
-// each weight vector to fp32 in registers, sums it against the fp32 (or widened bfloat16)
-// activations in K order, multiplies by the scale once and rounds to the output dtype: a
-// quarter of an fp32 weight's bytes, half of a bfloat16 one's, for products bound by reading
-// weights (draft heads at batch 1).
-inline int64_t q8_block_bytes(int64_t K) { return K * LANES + LANES * 4; }
-
-template <int R, int W, typename T>
-inline void q8_tile(const float* xf, int64_t K, const int8_t* pb, int64_t stride, T* y, int64_t m,
-                    int64_t o0, int64_t O, const int8_t* next) {
-  V acc[R][W];
-  zero(acc);
-  for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr && (k & 3) == 0) {  // the next group, one line per block every 4 steps
-      for (int j = 0; j < W; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * stride + k * LANES), _MM_HINT_T0);
-    }
-    V wv[W];
-    for (int j = 0; j < W; ++j) wv[j] = vld_i8(pb + j * stride + k * LANES);
-    for (int r = 0; r < R; ++r) {
-      const V xb = vset(xf[(m + r) * K + k]);
-      for (int j = 0; j < W; ++j) acc[r][j] = vfmadd(wv[j], xb, acc[r][j]);
-    }
-  }
-  for (int j = 0; j < W; ++j) {
-    const V sc = vldu(reinterpret_cast<const float*>(pb + j * stride + K * LANES));
-    for (int r = 0; r < R; ++r) acc[r][j] = vmul(acc[r][j], sc);
-  }
-  store_tile<T, R, W>(acc, y, m, o0, O);
-}
-template <int W, typename T, int R = 4>
-inline void q8_rest(int64_t r, const float* xf, int64_t K, const int8_t* pb, int64_t stride, T* y,
-                    int64_t m, int64_t o0, int64_t O, const int8_t* next) {
-  if constexpr (R >= 1) {
-    if (r == R) return q8_tile<R, W>(xf, K, pb, stride, y, m, o0, O, next);
-    q8_rest<W, T, R - 1>(r, xf, K, pb, stride, y, m, o0, O, next);
-  }
-}
-
-// y[m, o] = scale[o] * sum_k x[m, k] * q[o, k] for m < M, w from ``pack_int8``.
-template <typename T>
-void matvec_q8(const T* x, const Mat& w, T* y, int64_t M) {
-  constexpr int R = 4, NBQ = 2;  // 4 rows x 2 blocks: 8 accumulators on either ISA
-  const int64_t K = w.K, blocks = ceil_div(w.O, LANES), stride = q8_block_bytes(K);
-  std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = ld(x + i);
-  const int8_t* base = static_cast<const int8_t*>(w.p);
-  at::parallel_for(0, ceil_div(blocks, NBQ), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t b = g * NBQ;
-      const int8_t* pb = base + b * stride;
-      const int8_t* next = g + 1 < end ? pb + NBQ * stride : nullptr;
-      for (int64_t m = 0; m < M; m += R) {
-        const int64_t r = std::min<int64_t>(R, M - m);
-        const int8_t* pf = m == 0 ? next : nullptr;  // the first row tile streams the weights
-        if (b + NBQ <= blocks) {
-          q8_rest<NBQ>(r, xf.data(), K, pb, stride, y, m, b * LANES, w.O, pf);
-        } else {
-          q8_rest<1>(r, xf.data(), K, pb, stride, y, m, b * LANES, w.O, nullptr);
-        }
       }
     }
   });
@@ -975,7 +900,6 @@ void matvec_qb(const T* x, const Mat& w, T* y, int64_t M) {
 // y[m, o] = sum_k x[m, k] * w[o, k] for m < M, w packed.
 template <typename T>
 void matvec(const T* x, const Mat& w, T* y, int64_t M) {
-  if (w.q8) return matvec_q8(x, w, y, M);
   if (w.qbits == 8) return matvec_qb<8>(x, w, y, M);
   if (w.qbits == 4) return matvec_qb<4>(x, w, y, M);
   if constexpr (WIDE_X && std::is_same_v<T, uint16_t>) {
@@ -1331,13 +1255,6 @@ T* ptr(const at::Tensor& t) {
 
 // A weight packed by ``pack`` for an [O, K] matrix, checked against that shape.
 Mat packed(const at::Tensor& t, int64_t O, int64_t K) {
-  if (t.scalar_type() == at::kChar) {
-    TORCH_CHECK(t.is_contiguous() && t.dim() == 2 && t.size(0) == ceil_div(O, LANES) &&
-                    t.size(1) == q8_block_bytes(K),
-                "an int8 packed weight does not match its shape [", O, ", ", K, "]: got ",
-                t.sizes());
-    return Mat{t.data_ptr(), O, K, true};
-  }
   if (t.scalar_type() == at::kByte) {  // ``pack_blocks``: [O / 16, K / 32, block bytes]
     const int bits = t.dim() == 3 && t.size(2) == qb_bytes(8) ? 8 : 4;
     TORCH_CHECK(t.is_contiguous() && t.dim() == 3 && K % QBLOCK == 0 &&
@@ -1345,7 +1262,7 @@ Mat packed(const at::Tensor& t, int64_t O, int64_t K) {
                     t.size(2) == qb_bytes(bits),
                 "a block-quantized weight does not match its shape [", O, ", ", K, "]: got ",
                 t.sizes());
-    return Mat{t.data_ptr(), O, K, false, bits};
+    return Mat{t.data_ptr(), O, K, bits};
   }
   const bool bf16 = t.scalar_type() == at::kBFloat16;
   const std::vector<int64_t> want =
@@ -1494,10 +1411,9 @@ Paged check_step(const at::Tensor& x, const at::Tensor& positions,
   for (const auto& t : weights) {
     TORCH_CHECK(t.is_contiguous() &&
                     (t.scalar_type() == x.scalar_type() ||
-                     (t.scalar_type() == at::kChar && t.dim() == 2) ||
                      (t.scalar_type() == at::kByte && t.dim() == 3)),
-                "weights must be contiguous and in the activation dtype (matrices: or int8, or "
-                "quantized blocks)");
+                "weights must be contiguous and in the activation dtype (matrices: or quantized "
+                "blocks)");
   }
   for (const auto& t : caches) {
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == x.scalar_type(),
@@ -1597,29 +1513,10 @@ at::Tensor pack(at::Tensor w) {
   return padded.view({O16 / LANES, LANES, K}).permute({0, 2, 1}).contiguous();
 }
 
-// q int8 [O, K] with one fp32 scale per output (w ~ scale[o] * q[o, k]) in the layout
-// ``matvec_q8`` reads (see there).
-at::Tensor pack_int8(at::Tensor q, at::Tensor scale) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_int8: q int8 [O, K] expected");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == q.size(0) &&
-                  scale.scalar_type() == at::kFloat,
-              "pack_int8: scale float32 [O] expected");
-  const int64_t O = q.size(0), K = q.size(1), nb = ceil_div(O, LANES);
-  at::Tensor out = at::zeros({nb, q8_block_bytes(K)}, q.options());
-  at::Tensor padded = at::zeros({nb * LANES, K}, q.options());
-  padded.narrow(0, 0, O).copy_(q);
-  out.narrow(1, 0, K * LANES).copy_(padded.view({nb, LANES, K}).permute({0, 2, 1}).reshape({nb, K * LANES}));
-  at::Tensor sc = at::zeros({nb * LANES}, scale.options());
-  sc.narrow(0, 0, O).copy_(scale);
-  out.narrow(1, K * LANES, LANES * 4).copy_(sc.view({nb, LANES}).view(at::kChar));
-  return out;
-}
-
-// x [M, K] @ w.T → [M, out_features] in x's dtype; w as ``pack`` (or ``pack_int8``) left it.
+// x [M, K] @ w.T → [M, out_features] in x's dtype; w as ``pack`` (or ``pack_blocks``) left it.
 at::Tensor linear(at::Tensor x, at::Tensor w, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2, "linear: x [M, K] expected");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kChar ||
-                  w.scalar_type() == at::kByte,
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kByte,
               "linear: x and w dtypes differ");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "dtype must be bfloat16 or float32");
@@ -1775,9 +1672,8 @@ at::Tensor eagle3_chain(at::Tensor hidden, at::Tensor tokens, at::Tensor positio
               "embedding [vocab, H] in float32 or the head's dtype expected");
   TORCH_CHECK(final_norm.numel() == H && final_norm.scalar_type() == hidden.scalar_type(),
               "final_norm [H] in the head's dtype expected");
-  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == at::kChar ||
-                  lm_head.scalar_type() == at::kByte,
-              "lm_head in the head's dtype, int8 or quantized blocks");
+  TORCH_CHECK(lm_head.scalar_type() == hidden.scalar_type() || lm_head.scalar_type() == at::kByte,
+              "lm_head in the head's dtype or quantized blocks");
   TORCH_CHECK(d2t.scalar_type() == at::kLong && d2t.is_contiguous(), "d2t [V] int64");
   const Mat head = packed(lm_head, V, H);
   const int64_t* map = d2t.data_ptr<int64_t>();
@@ -1822,7 +1718,6 @@ static_assert(std::string_view(ISA) == TANDEM_EXPECT_ISA, "unexpected instructio
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_stack", &llama_stack, "Llama decoder stack for small batches (CPU)");
   m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
-  m.def("pack_int8", &pack_int8, "int8 rows and their scales in the layout the products read");
   m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
   m.def("eagle3_chain", &eagle3_chain, "greedy Eagle3 draft steps after the first (CPU)");

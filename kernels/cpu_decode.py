@@ -259,27 +259,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _ext_or_raise().pack(weight.detach().contiguous())
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 rows: (q int8 [O, K], scale float32 [O]) with ``weight ~ scale[:, None] *
-    q``, each row's scale its largest magnitude / 127 (an all-zero row: scale 0)."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(1e-30)[:, None], 0.0)
-    return q.round().clamp(-127, 127).to(torch.int8), scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``scale[:, None] * q`` in ``dtype`` (what eager modules compute with)."""
-    return (q.float() * scale[:, None]).to(dtype)
-
-
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``quantize_int8``'s rows in the layout the extension's products read (int8 blocks of 16
-    outputs with their scales): ``linear`` and the layers then read a quarter of an fp32
-    weight's bytes (half of a bfloat16 one's), summing in fp32 and scaling each output once."""
-    return _ext_or_raise().pack_int8(q.contiguous(), scale.float().contiguous())
-
-
 QBLOCK = 32  # weights along K per Q8_0 / Q4_1 block
 BLOCK_FORMATS = {"q8_0": 8, "q4_1": 4}  # format -> bits
 
@@ -372,7 +351,7 @@ def _row_args(rows: StepRows) -> tuple[torch.Tensor, ...]:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x @ weight.T`` (``x`` [M, K]; ``packed``: ``pack(weight)``, weight [out_features, K]
-    in x's dtype, or ``pack_int8``), each block of the weight read from memory once for all rows
+    in x's dtype, or ``pack_blocks``), each block of the weight read from memory once for all rows
     (fp32 accumulation, output in x's dtype)."""
     return _ext_or_raise().linear(x, packed, out_features)
 

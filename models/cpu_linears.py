@@ -1,5 +1,6 @@
 """The CPU decode fast path's view of the linears: weights packed for its matrix products (and
-the eager layers of larger steps), int8 rows for draft heads (``draft_quantization``), and the
+the eager layers of larger steps), GGUF-style blocks (``--cpu-weights``, draft heads'
+``draft_quantization``), and the
 matrix-vector path of LM heads and draft linears."""
 
 from __future__ import annotations
@@ -18,27 +19,24 @@ from tandem.models.layers import (
     packed_linear,
 )
 
-INT8_ROWS = "int8_rows"  # a weight's attribute: its (q, scale) from ``quantize_int8_``
-QUANT_BLOCKS = "quant_blocks"  # a weight's attribute: its (q, d, m) from ``quantize_blocks_``
+QUANT_BLOCKS = "quant_blocks"  # a weight's attribute: its (q, d, m) from ``set_blocks_``
 Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 def quantize_int8_(modules: Iterable[nn.Module]) -> int:
-    """Int8 rows for the weight of every 2-D ``LinearBase`` / ``ParallelLMHead`` among
-    ``modules`` (``speculative_config.draft_quantization``): each module computes with the
+    """Q8_0 blocks (int8, one fp16 scale per 32 weights) for the weight of every 2-D
+    ``LinearBase`` / ``ParallelLMHead`` among ``modules`` whose rows are a multiple of 32 long
+    (``speculative_config.draft_quantization`` "int8"): each module computes with the
     dequantized values from then on (a new tensor, so a weight shared with another model keeps
-    its own), and ``pack_weight`` packs the int8 rows themselves for the CPU fast path. Returns
-    how many weights were quantized."""
+    its own), and ``pack_weight`` packs the blocks for the CPU fast path's products. Returns how
+    many weights were quantized."""
     n = 0
     for m in modules:
         if not isinstance(m, (LinearBase, ParallelLMHead)) or m.weight.dim() != 2:
             continue
-        q, scale = cpu_decode.quantize_int8(m.weight)
-        weight = nn.Parameter(
-            cpu_decode.dequantize_int8(q, scale, m.weight.dtype), requires_grad=False
-        )
-        setattr(weight, INT8_ROWS, (q, scale))
-        m.weight = weight
+        if m.weight.shape[1] % cpu_decode.QBLOCK or hasattr(m.weight, QUANT_BLOCKS):
+            continue
+        set_blocks_(m, *cpu_decode.quantize_q8_0(m.weight), None)
         n += 1
     return n
 
@@ -97,14 +95,10 @@ def quantize_blocks_(model: nn.Module, blocks: dict[str, Blocks] | None = None) 
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The CPU fast path's packed copy of ``weight``: its quantized blocks where
-    ``quantize_blocks_`` gave it some, its int8 rows where ``quantize_int8_`` did, else the
-    weight itself."""
+    """The CPU fast path's packed copy of ``weight``: its quantized blocks where ``set_blocks_``
+    gave it some, else the weight itself."""
     blocks = getattr(weight, QUANT_BLOCKS, None)
-    if blocks is not None:
-        return cpu_decode.pack_blocks(*blocks)
-    rows = getattr(weight, INT8_ROWS, None)
-    return cpu_decode.pack(weight) if rows is None else cpu_decode.pack_int8(*rows)
+    return cpu_decode.pack(weight) if blocks is None else cpu_decode.pack_blocks(*blocks)
 
 
 def release_dense_weights_(model: nn.Module) -> int:

@@ -531,7 +531,7 @@ def test_speculation_pauses_at_the_batch_size_limit(models, baseline, method: st
 
 
 def _dequantized_copy(head: Path, folder: Path, lm_head: torch.Tensor | None) -> Path:
-    """``head`` with every matrix replaced by its int8 rows' dequantized values (what
+    """``head`` with every matrix replaced by its Q8_0 blocks' dequantized values (what
     ``draft_quantization: "int8"`` computes with), stored in the head's dtype; ``lm_head``: the
     LM head it borrows (saved as its own, in the head's dtype)."""
     from safetensors.torch import load_file, save_file
@@ -543,8 +543,9 @@ def _dequantized_copy(head: Path, folder: Path, lm_head: torch.Tensor | None) ->
     if lm_head is not None:
         state["lm_head.weight"] = lm_head.to(state["fc.weight"].dtype)
     for name, t in state.items():
-        if t.dim() == 2 and t.is_floating_point():
-            state[name] = cpu_decode.dequantize_int8(*cpu_decode.quantize_int8(t), t.dtype)
+        if t.dim() == 2 and t.is_floating_point() and t.shape[1] % cpu_decode.QBLOCK == 0:
+            q, d = cpu_decode.quantize_q8_0(t)
+            state[name] = cpu_decode.dequantize_blocks(q, d, None, t.dtype)
     save_file(state, str(folder / "model.safetensors"))
     return folder
 
@@ -558,7 +559,7 @@ def test_int8_draft_quantization(
     models, baseline, tmp_path: Path, with_lm_head: bool, tree: bool
 ) -> None:
     """``draft_quantization: "int8"``: the head's matrices (layers, fc, its LM head) reach the
-    CPU fast path as int8 rows; its drafts after every step (a chain's, or a draft tree's
+    CPU fast path as Q8_0 blocks; its drafts after every step (a chain's, or a draft tree's
     nodes) are those of the same head stored with the dequantized values (rounding aside), the
     output is the target's, and a borrowed LM head leaves the target's own untouched."""
     from tandem.kernels import cpu_decode
@@ -582,7 +583,7 @@ def test_int8_draft_quantization(
             draft = worker.runner.spec.draft
             packed = [w for w in draft.midlayer.fast_path.weights if w.dim() == 2]
             packed += [draft.lm_head.fast_weight, draft.fc.fast_weight]
-            assert {w.dtype for w in packed} == {torch.int8 if quantized else torch.bfloat16}
+            assert {w.dtype for w in packed} == {torch.uint8 if quantized else torch.bfloat16}
             target_head = worker.model.lm_head.weight
             assert target_head.dtype == torch.float32 and draft.lm_head.weight is not target_head
             if not with_lm_head and quantized:  # the target's rows, from its checkpoint
