@@ -25,7 +25,6 @@ from tandem.models.cpu_linears import (
     builtin_blocks,
     pack_cpu_linears,
     quantize_blocks_,
-    quantize_int8_,
     release_dense_weights_,
     use_cpu_matvec_linears,
     use_cpu_matvec_lm_heads,
@@ -220,10 +219,7 @@ class Worker:
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
                 if spec is not None and spec.draft is not None:
-                    if int8:
-                        n = quantize_int8_(spec.draft.modules())
-                        logger.info("draft head: %d matrices in Q8_0 blocks (int8)", n)
-                    elif mc.cpu_weights != "dtype":  # the head's matrices in Q8_0 blocks too
+                    if int8 or mc.cpu_weights != "dtype":  # the head's matrices in Q8_0 too
                         n = quantize_blocks_(spec.draft)
                         logger.info("draft head: %d matrices in Q8_0 blocks", n)
                     use_cpu_matvec_lm_heads(spec.draft)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tandem.kernels.cpu_decode import Blocks
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -347,8 +349,6 @@ _FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     "mlp.down_proj": ("mlp.down_proj",),
 }
-
-Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 def _raw_blocks(tensor: Any) -> Blocks:

@@ -20,25 +20,7 @@ from tandem.models.layers import (
 )
 
 QUANT_BLOCKS = "quant_blocks"  # a weight's attribute: its (q, d, m) from ``set_blocks_``
-Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-
-
-def quantize_int8_(modules: Iterable[nn.Module]) -> int:
-    """Q8_0 blocks (int8, one fp16 scale per 32 weights) for the weight of every 2-D
-    ``LinearBase`` / ``ParallelLMHead`` among ``modules`` whose rows are a multiple of 32 long
-    (``speculative_config.draft_quantization`` "int8"): each module computes with the
-    dequantized values from then on (a new tensor, so a weight shared with another model keeps
-    its own), and ``pack_weight`` packs the blocks for the CPU fast path's products. Returns how
-    many weights were quantized."""
-    n = 0
-    for m in modules:
-        if not isinstance(m, (LinearBase, ParallelLMHead)) or m.weight.dim() != 2:
-            continue
-        if m.weight.shape[1] % cpu_decode.QBLOCK or hasattr(m.weight, QUANT_BLOCKS):
-            continue
-        set_blocks_(m, *cpu_decode.quantize_q8_0(m.weight), None)
-        n += 1
-    return n
+Blocks = cpu_decode.Blocks
 
 
 def set_blocks_(
@@ -70,9 +52,11 @@ def builtin_blocks(model: str, cpu_weights: str) -> dict[str, Blocks] | None:
 
 def quantize_blocks_(model: nn.Module, blocks: dict[str, Blocks] | None = None) -> int:
     """The CPU weights of ``model``'s bias-free 2-D linears and unsharded LM heads as blocks
-    (``--cpu-weights``): ``blocks`` by module name where given (the built-in model's GGUF
-    values, ``models.builtin.gguf_blocks``), else Q8_0 quantized here from the weight. A tied
-    LM head's embedding keeps its own weight. Returns how many matrices were quantized."""
+    (``--cpu-weights``, a draft head's ``draft_quantization``): ``blocks`` by module name where
+    given (the built-in model's GGUF values, ``models.builtin.gguf_blocks``), else Q8_0
+    quantized here from the weight (rows a multiple of 32 long). Each module computes with the
+    dequantized values from then on (a new tensor: a tied embedding, or a matrix shared with
+    another model, keeps its own). Returns how many matrices were quantized."""
     n = 0
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
