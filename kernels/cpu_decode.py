@@ -262,7 +262,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 QBLOCK = 32  # weights along K per Q8_0 / Q4_1 block
 # A matrix in blocks: (q [O, K], d [O, K / 32], m [O, K / 32] for Q4_1 or None for Q8_0).
 Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-BLOCK_FORMATS = {"q8_0": 8, "q4_1": 4}  # format -> bits
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
