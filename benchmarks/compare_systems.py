@@ -38,7 +38,6 @@ class TandemSystem:
 
         self.row = Row(name)
         self.spec = spec
-        gc.collect()
         before = rss_mib()
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(
