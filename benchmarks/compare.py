@@ -319,8 +319,10 @@ def _main(ns: argparse.Namespace) -> int:
             gguf = str(find_gguf())
         if gguf is None or not Path(gguf).is_file():
             raise BenchError(f"--llama-cpp needs --gguf FILE (a GGUF file; got {gguf!r})")
+    from tandem.engine.config import CPU_WEIGHTS
+
     weights = [w.strip() for w in ns.cpu_weights.split(",") if w.strip()]
-    if not weights or any(w not in ("dtype", "q8", "q4") for w in weights):
+    if not weights or any(w not in CPU_WEIGHTS or w == "auto" for w in weights):
         raise BenchError(f"--cpu-weights {ns.cpu_weights!r}: a list of dtype, q8, q4")
     cfg = BenchConfig(
         dtype=ns.dtype,
@@ -412,7 +414,7 @@ def _main(ns: argparse.Namespace) -> int:
         if ns.llama_cpp is not None:
             add(
                 "llama.cpp",
-                lambda: LlamaCppSystem(ns.llama_cpp, gguf, cfg, prompts[0], model),
+                lambda: LlamaCppSystem(ns.llama_cpp, gguf, cfg, prompts[0]),
             )
         print("running every system in turn ...", flush=True)
         # The roofline's bandwidth is probed between the batch-1 prompts: the same phase of a

@@ -156,9 +156,7 @@ class LlamaCppSystem:
     scratch venv: never one of our dependencies), greedy, one sequence at a time: the batch-1
     column only. The row's RSS is that process's."""
 
-    def __init__(
-        self, python: str, gguf: str, cfg: BenchConfig, warm_up: list[int], model: str
-    ) -> None:
+    def __init__(self, python: str, gguf: str, cfg: BenchConfig, warm_up: list[int]) -> None:
         import subprocess
 
         import torch
@@ -172,10 +170,15 @@ class LlamaCppSystem:
             text=True,
         )
         setup = {"gguf": gguf, "n_ctx": 4096, "threads": torch.get_num_threads()}
-        ready = self._ask(setup)
-        if not ready.get("ready"):
-            raise BenchError(f"llama.cpp runner did not start: {ready}")
-        self._ask({"ids": warm_up, "max_tokens": 4, "stop_at_eos": False})
+        try:
+            ready = self._ask(setup)
+            if not ready.get("ready"):
+                raise BenchError(f"llama.cpp runner did not start: {ready}")
+            self._ask({"ids": warm_up, "max_tokens": 4, "stop_at_eos": False})
+        except BaseException:  # no row to close it: stop the runner here
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.row.rss_mib = rss_mib(self.proc.pid)
 
     def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -646,9 +646,10 @@ void matvec_rows(const X* x, const Mat& w, T* y, int64_t M) {
 //         output, the operand layout of vpdpbusd), then d and c as fp16 [16] each: 576 bytes.
 //   Q4_1: 4 groups of 64 bytes, byte (lane, i) of group g holding K 4g + i in its low nibble
 //         and K 16 + 4g + i in its high one, then d and c: 320 bytes.
-// The activations are quantized per row and 32-block as Q8_0 does (dx = max |x| / 127, xq =
-// round(x / dx)), so y[m, o] = sum_blocks d dx S + c dx sum(xq), S the exact integer dot
-// product of u and xq: the only error besides fp32 sums is the activations' rounding.
+// The activations are quantized per row and 32-block on a 15-bit grid in two int8 passes
+// (``quantize_rows``), so y[m, o] = sum_blocks d dx S + c sx, S the exact integer dot product
+// of u and the row's grid values: the only error besides fp32 sums is the activations'
+// rounding to that grid.
 constexpr int64_t QBLOCK = 32;
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) || \
     (!(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVXVNNI__))
@@ -656,8 +657,9 @@ constexpr bool TANDEM_VNNI = true;
 #else
 constexpr bool TANDEM_VNNI = false;
 #endif
-inline int64_t qb_bytes(int bits) { return bits == 8 ? 576 : 320; }
-inline int64_t qb_weight_bytes(int bits) { return bits == 8 ? 512 : 256; }
+// Bytes per block of 16 outputs x 32 K: the weights, then d and c (fp16 [16] each).
+constexpr int64_t qb_weight_bytes(int bits) { return bits == 8 ? 512 : 256; }
+constexpr int64_t qb_bytes(int bits) { return qb_weight_bytes(bits) + 64; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 struct VI {
@@ -838,7 +840,7 @@ inline void qb_block(VI (&s)[R][W], const uint8_t* pw, int64_t stride, const int
 template <int BITS, int R, int W, typename T>
 inline void qb_tile(const QuantRows& q, int64_t K, const uint8_t* pb, int64_t stride, T* y,
                     int64_t m, int64_t o0, int64_t O) {
-  constexpr int64_t BB = BITS == 8 ? 576 : 320, WB = BITS == 8 ? 512 : 256;
+  constexpr int64_t BB = qb_bytes(BITS), WB = qb_weight_bytes(BITS);
   const int64_t nkb = K / QBLOCK;
   V acc[R][W];
   zero(acc);
@@ -868,7 +870,9 @@ inline void qb_rest(int64_t r, const QuantRows& q, int64_t K, const uint8_t* pb,
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int QB_ROWS = 2, QB_BLOCKS = 4;  // 8 int32 + 8 fp32 accumulators
+// Rows x blocks per tile: 2 x 8 int32 sums (both passes) and 8 fp32 accumulators (R = 3 or 4
+// with 2 blocks measured the same, within this machine's noise).
+constexpr int QB_ROWS = 2, QB_BLOCKS = 4;
 #else
 constexpr int QB_ROWS = 2, QB_BLOCKS = 1;  // each a pair of ymm registers
 #endif

@@ -313,7 +313,11 @@ def test_compare_names_why_a_row_is_missing_and_adds_weights_and_llama_cpp_rows(
     assert "batch 1 only" in llama["note"]
     assert main([*argv[:-2], "--cpu-weights", "int4"]) == 2
     assert main(["bench", "compare", "--quick", "--llama-cpp", str(python), "--gguf", "nope"]) == 2
-    assert "--cpu-weights 'int4'" in capsys.readouterr().err
+    # An interpreter without llama_cpp: the runner exits, a clear error (and no runner left).
+    no_llama = [*argv[:-6], "--llama-cpp", sys.executable, "--gguf", str(gguf)]
+    assert main([*no_llama, "--cpu-weights", "dtype"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-weights 'int4'" in err and "llama.cpp runner exited" in err
 
 
 SCHEDULE = '{"1": 3, "2": 1}'
