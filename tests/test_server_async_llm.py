@@ -19,10 +19,18 @@ def model_dir(tmp_path_factory):
     return tiny_model(tmp_path_factory)
 
 
-def test_generate_abort_and_shutdown(model_dir):
+# The aborted request may run this many tokens: thousands of steps (seconds on this machine), so the
+# abort cannot lose the race to the request's end even when a loaded machine delays this process
+# by a few hundred steps (CI once saw the 200-token request finish first).
+LONG_TOKENS = 4000
+
+
+def test_generate_abort_and_shutdown(model_dir, tmp_path):
+    from checkpoints import build_llama
     from tandem import LLM
 
-    args = EngineArgs(model=str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    model_dir = build_llama(tmp_path / "long", max_position_embeddings=LONG_TOKENS + 16)
+    args = EngineArgs(model=str(model_dir), max_model_len=LONG_TOKENS + 16, max_num_seqs=8)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     offline = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN)
     want = offline.generate([[5, 6, 7]], greedy)[0].outputs[0]
@@ -36,7 +44,7 @@ def test_generate_abort_and_shutdown(model_dir):
             info = await asyncio.wait_for(llm.start(), timeout=120)
             seen = [out async for out in llm.generate("g", [5, 6, 7], greedy)]
             # A long request whose consumer stops after two outputs: it is aborted.
-            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            long = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
             stream = llm.generate("long", [5, 6, 7], long)
             got = [await stream.__anext__(), await stream.__anext__()]
             await stream.aclose()
@@ -64,7 +72,7 @@ def test_generate_abort_and_shutdown(model_dir):
             await asyncio.to_thread(llm.shutdown)
 
     r = asyncio.run(run())
-    assert r["info"].max_model_len == MAX_MODEL_LEN and r["info"].num_blocks > 0
+    assert r["info"].max_model_len == LONG_TOKENS + 16 and r["info"].num_blocks > 0
     lengths = [len(o.outputs[0].token_ids) for o in r["seen"]]
     # Cumulative outputs; a slow consumer may skip some (the next one contains them).
     assert lengths == sorted(set(lengths)) and lengths[-1] == 6
@@ -72,7 +80,7 @@ def test_generate_abort_and_shutdown(model_dir):
     assert r["seen"][-1].outputs[0].text == want.text
     assert not r["got"][-1].finished and r["in_flight"] == 0
     assert r["idle"] and r["healthy"]
-    assert r["generated"] < 6 + 200  # the long one did not run to the end
+    assert r["generated"] < 6 + LONG_TOKENS  # the long one did not run to the end
     llm = r["llm"]
     wait_until(lambda: not llm._proc.is_alive(), timeout_s=15)
     assert llm._proc.exitcode == 0 and not llm.is_healthy
