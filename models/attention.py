@@ -78,15 +78,19 @@ class PagedAttention(nn.Module):
     def bind_kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
         self.k_cache, self.v_cache = caches
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Write this step's K/V [T, Hkv, D] into the cache, attending over nothing."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not bound to this attention layer")
         write_kv_cache(
             k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=meta.attention_plan()
         )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
+        self.write(k, v, meta)
         out = paged_attention(
             q,
             self.k_cache,

@@ -65,6 +65,29 @@ class DraftHead(nn.Module):
         """The full (replicated) draft LM-head weight, [draft_V, H]."""
         raise NotImplementedError
 
+    def write_kv(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Draft layer ``layer_index``'s KV for every row, as ``forward`` writes it, for a step
+        that reads no draft output (it drafts nothing, or its chunks sample nothing): only the
+        inputs and the K/V projection run, no attention and no MLP, where the layer can and no
+        other rank waits on the skipped collectives (under attention DP the MLP gathers every
+        rank's rows: there the whole layer runs)."""
+        layer = self.layers[layer_index]
+        attn_write = getattr(getattr(layer, "self_attn", None), "write_kv", None)
+        adp = meta.all_rank_num_tokens is not None
+        if attn_write is None or not hasattr(layer, "write_kv") or adp:
+            self.forward(layer_index, positions, token_ids, hidden, meta)
+            return
+        assert self.embed_tokens is not None
+        dtype = self.dtype
+        layer.write_kv(positions, self.embed_tokens(token_ids).to(dtype), hidden.to(dtype), meta)
+
     def forward(
         self,
         layer_index: int,

@@ -74,6 +74,19 @@ class Eagle3MidLayer(nn.Module):
         x = self.self_attn(positions, torch.cat([embeds, normed], dim=-1), meta)
         return post_attention(self, x, residual, meta, pick_rows)
 
+    def write_kv(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Only the draft KV of every row (``DraftHead.write_kv``)."""
+        normed = hidden if self.hidden_norm is None else self.hidden_norm(hidden)
+        if self.input_layernorm is not None:
+            embeds = self.input_layernorm(embeds)
+        self.self_attn.write_kv(positions, torch.cat([embeds, normed], dim=-1), meta)
+
 
 class Eagle3DecoderLayer(nn.Module):
     """A later draft layer of a multi-layer head: a plain pre-norm decoder layer on the first
@@ -318,6 +331,21 @@ class Eagle3Draft(DraftHead):
         for layer in self.later_layers:
             out = layer(positions, out, meta)
         return out
+
+    def write_kv(
+        self,
+        layer_index: int,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """A later layer's KV reads the midlayer's output: with later layers the whole step
+        runs."""
+        if self.later_layers:
+            self.forward(layer_index, positions, token_ids, hidden, meta)
+        else:
+            super().write_kv(layer_index, positions, token_ids, hidden, meta)
 
     def enable_cpu_fast_path(self) -> str | None:
         """Give the midlayer the CPU fast path when it qualifies (the caller has loaded the

@@ -72,6 +72,20 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        return self.o_proj(self.attn(*self._qkv(positions, hidden), meta))
+
+    def write_kv(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Only this step's KV, exactly as ``forward`` writes it: no attention, no ``o_proj``
+        (and so no collective: a column-parallel projection is rank-local)."""
+        _, k, v = self._qkv(positions, hidden)
+        self.attn.write(k, v, meta)
+
+    def _qkv(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k, v [T, Hkv, D], rotated (and normed where the model has it)."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         v = qkv[:, (h + hkv) * d :].view(-1, hkv, d)
@@ -83,7 +97,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, : h * d].view(-1, h, d))
             k = self.k_norm(qkv[:, h * d : (h + hkv) * d].view(-1, hkv, d))
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

@@ -76,6 +76,18 @@ class MTPLayer(nn.Module):
         x = self.self_attn(positions, self.input_layernorm(x), meta)
         return post_attention(self, x, residual, meta, pick_rows)
 
+    def write_kv(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Only this layer's KV of every row (``DraftHead.write_kv``; needs an attention with
+        ``write_kv``)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        self.self_attn.write_kv(positions, self.input_layernorm(x), meta)
+
 
 class MTPFastPath(FastDraftLayer):
     """An MTP layer on a Llama decoder block through ``kernels/cpu_decode``: ``eh_proj`` over

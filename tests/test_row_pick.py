@@ -101,6 +101,37 @@ def test_picked_rows_equal_unpicked_and_every_row_writes_kv(folders, which: int)
     torch.testing.assert_close(flat_picked[written], flat_full[written])
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["eagle3-midlayer", "mtp-layer"])
+def test_kv_only_writes_the_full_layers_kv_and_runs_nothing_after_it(folders, which: int) -> None:
+    """A step that reads no draft output (paused, or prompt chunks that sample nothing) writes
+    the draft KV alone: the same bytes the whole layer writes, and no attention, ``o_proj`` or
+    MLP runs (draft-side: verification would hide a wrong draft KV)."""
+    layer = _layers(folders)[which]
+    meta, positions = _meta([5, 3, 7])
+    t, h = int(positions.shape[0]), layer.post_attention_layernorm.weight.shape[0]
+    embeds, hidden = torch.randn(t, h), torch.randn(t, h)
+    _bind_cache(layer)
+    layer(positions, embeds, hidden, meta)
+    attn = layer.self_attn.attn
+    want = attn.k_cache.clone(), attn.v_cache.clone()
+
+    _bind_cache(layer)
+    ran: list[str] = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, o, name=name: ran.append(name))
+        for name, m in (("o_proj", layer.self_attn.o_proj), ("mlp", layer.mlp), ("attn", attn))
+    ]
+    layer.write_kv(positions, embeds, hidden, meta)
+    for hk in hooks:
+        hk.remove()
+    assert ran == []
+    written = meta.slot_mapping
+    for got, full in zip((attn.k_cache, attn.v_cache), want, strict=True):
+        flat_got, flat_full = got.view(-1, *got.shape[2:]), full.view(-1, *full.shape[2:])
+        assert flat_got[written].abs().sum(dim=(1, 2)).gt(0).all()
+        assert torch.equal(flat_got, flat_full)  # every slot: the written ones and the rest
+
+
 def test_decision_capability_signature_switch_and_declines(folders, monkeypatch) -> None:
     eagle, mtp = _layers(folders)
     m = ParallelMapping()

@@ -145,7 +145,7 @@ class SpecDecoder:
         """A step where no request samples (chunks that stop mid-prompt): the draft layers
         still write their KV for every row, as step 0 of the draft loop would."""
         if not self.vanilla:
-            self.draft(0, inp.positions, step_tokens, draft_hidden, inp.meta)
+            self.draft.write_kv(0, inp.positions, step_tokens, draft_hidden, inp.meta)
             return
         hidden = draft_hidden
         for k in range(self.k):

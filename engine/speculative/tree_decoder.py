@@ -314,7 +314,7 @@ class TreeDecoder(SpecDecoder):
         """A step that proposes no drafts: draft step 0 over the rows in chain order."""
         rows = (inp.input_ids, inp.meta, draft_hidden, inp.next_tokens, layout)
         step_tokens, hidden, _ = self._step0_inputs(*rows, num_accepted, tokens, self.path)
-        self.draft(0, inp.positions, step_tokens, hidden, inp.meta)
+        self.draft.write_kv(0, inp.positions, step_tokens, hidden, inp.meta)
 
     def _step0_inputs(
         self,
