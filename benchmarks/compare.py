@@ -140,6 +140,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         '\'{"1": 4, "4": 2, "16": 0}\') with "adaptive": true',
     )
     p.add_argument(
+        "--cost-aware",
+        action="store_true",
+        help='with --schedule, a second adaptive row per chain method with "cost_aware": true',
+    )
+    p.add_argument(
         "--workload",
         choices=tuple(WORKLOADS),
         default="chat",
@@ -392,10 +397,14 @@ def _main(ns: argparse.Namespace) -> int:
         methods.append(("draft_model", draft_model, "no --draft-model given"))
         for method, chain, why in methods:
             if schedule is not None and chain is not None and method != "suffix":
-                name = f"tandem + {method} (adaptive, schedule {json.dumps(schedule)})"
-                spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
-                spec.pop("disable_by_batch_size", None)
-                add_tandem(name, spec)
+                for cost in (False, True) if ns.cost_aware else (False,):
+                    how = "adaptive, cost-aware" if cost else "adaptive"
+                    name = f"tandem + {method} ({how}, schedule {json.dumps(schedule)})"
+                    spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
+                    if cost:
+                        spec["cost_aware"] = True
+                    spec.pop("disable_by_batch_size", None)
+                    add_tandem(name, spec)
             for topk, n in [(1, k), *trees] if method in ("eagle3", "mtp") else [(1, k)]:
                 how = [f"K={k}"] + ([f"topk {topk} N {n}"] if topk > 1 else [])
                 if ns.draft_quantization != "none":

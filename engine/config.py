@@ -365,6 +365,9 @@ class SpeculativeConfig:
     # Per-request draft length from the request's own acceptance, within the step's K
     # (engine/speculative/adaptive.py); chains only.
     adaptive: bool = False
+    # With adaptive: time the decode steps and run a step without drafts where plain decoding
+    # measured more tokens per second (engine/speculative/adaptive.py, StepCosts).
+    cost_aware: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -616,6 +619,17 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config.adaptive applies to chains (topk 1) of eagle3, mtp (mode "
                 "'eagle'), ngram and draft_model"
+            )
+        _require(
+            isinstance(self.cost_aware, bool),
+            "speculative_config.cost_aware",
+            self.cost_aware,
+            "a bool",
+        )
+        if self.cost_aware and not self.adaptive:
+            raise ValueError(
+                "speculative_config.cost_aware needs adaptive: true (it weighs the requests' "
+                "running acceptance against the measured step costs)"
             )
         if not self.draft_len_schedule:
             return

@@ -16,7 +16,12 @@ from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from tandem.engine.speculative.adaptive import POSITION_COST, AdaptiveDepth, loop_depth
+from tandem.engine.speculative.adaptive import (
+    POSITION_COST,
+    AdaptiveDepth,
+    StepCosts,
+    loop_depth,
+)
 from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.suffix import SuffixProposer, pad_tree
 from tandem.engine.speculative.tree import verified_nodes
@@ -109,6 +114,8 @@ class LLMEngine:
         self.adaptive: dict[str, AdaptiveDepth] | None = (
             {} if sc is not None and sc.adaptive else None
         )
+        # "cost_aware": steps timed, and no drafts where plain decoding measured faster.
+        self.step_costs = StepCosts() if sc is not None and sc.cost_aware else None
         self.captured_draft_lens: tuple[int, ...] = ()
         if sc is not None and self.pad_ngram:
             ks = {sc.num_speculative_tokens} | {k for _, k in sc.draft_len_schedule if k}
@@ -319,6 +326,8 @@ class LLMEngine:
             # The draft loop draws only what its requests may verify next.
             states = [self.adaptive.get(s.request.request_id) for s in scheduled]
             k_step = loop_depth(states, k_step, self.captured_draft_lens)
+            if self.step_costs is not None and k_step > 0:
+                k_step = self.step_costs.choose(len(scheduled), k_step)
         if self.num_spec_tokens:
             self.steps_by_draft_len[k_step] = self.steps_by_draft_len.get(k_step, 0) + 1
         propose = k_step > 0 or not self.num_spec_tokens
@@ -329,7 +338,13 @@ class LLMEngine:
         for inp in inputs:
             inp.num_draft_steps = k_step if 0 < k_step < self.num_spec_tokens else None
         self._send_grammars(inputs)
+        start = time.perf_counter()
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
+        if self.step_costs is not None:
+            decode = all(s.num_new_tokens == 1 + s.num_drafts for s in scheduled)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(t) for t in result.token_ids)
+            self.step_costs.record(len(scheduled), k_step, seconds, tokens, decode)
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths
         now = time.monotonic()

@@ -213,6 +213,115 @@ def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
+def _drive(
+    costs: Any, batch: int, seconds: dict[int, float], tokens: float, steps: int
+) -> list[int]:
+    """The engine's use of ``StepCosts``: choose, run (``seconds`` a request by choice; a
+    drafted step emits ``tokens`` a request), record."""
+    ks = []
+    for _ in range(steps):
+        k = costs.choose(batch, 3)
+        emitted = round((tokens if k else 1) * batch)
+        costs.record(batch, k, seconds[k] * batch, emitted, decode=True)
+        ks.append(k)
+    return ks
+
+
+def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
+    """Drafts where their measured tokens per second beat plain decoding's, none elsewhere; the
+    other choice probed for PROBE_STEPS steps every PROBE_EVERY; a step is measured only after
+    a step of the same choice (the first after a change verifies the old one's drafts)."""
+    from tandem.engine.speculative.adaptive import (
+        MARGIN,
+        PROBE_EVERY,
+        PROBE_STEPS,
+        StepCosts,
+        batch_bucket,
+    )
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+    ]
+    # A drafted step costs 2x a plain one and emits 3 tokens: drafts pay.
+    costs = StepCosts()
+    ks = _drive(costs, 1, {3: 0.008, 0: 0.004}, 3.0, 400)
+    assert ks[:6] == [3, 3] + [0] * PROBE_STEPS  # drafts measured, then plain probed
+    assert costs.seconds((1, 3)) == pytest.approx(0.008)
+    assert costs.seconds((1, 0)) == pytest.approx(0.004)
+    assert costs.tokens_per_second((1, 3)) == pytest.approx(375)
+    runs = "".join("s" if k else "p" for k in ks[6:]).split("s")
+    assert {len(r) for r in runs} == {0, PROBE_STEPS}  # plain only in probes
+    assert (
+        394 // (PROBE_EVERY + PROBE_STEPS) <= ks[6:].count(0) // PROBE_STEPS <= 394 // PROBE_EVERY
+    )
+
+    # Four requests, 1.5 tokens each at 2x the cost: plain gives more; only the probes draft.
+    costs = StepCosts()
+    ks = _drive(costs, 4, {3: 0.008, 0: 0.004}, 1.5, 400)
+    runs = "".join("s" if k else "p" for k in ks[6:]).split("p")
+    assert {len(r) for r in runs} == {0, PROBE_STEPS}
+    assert costs.tokens_per_second((4, 3)) == pytest.approx(1.5 / 0.008)
+
+    # The load changes (drafts get cheaper): the probes move the estimate, and it switches.
+    ks = _drive(costs, 4, {3: 0.005, 0: 0.004}, 1.5, 12 * PROBE_EVERY)
+    assert ks[-PROBE_EVERY:].count(3) >= PROBE_EVERY - PROBE_STEPS
+    # Near a tie (within MARGIN) it keeps its choice rather than flip on noise.
+    tie = {3: 0.006 * MARGIN**0.5, 0: 0.004}  # plain 2.5 % ahead
+    ks = _drive(costs, 4, tie, 1.5, 3 * PROBE_EVERY)
+    assert ks[-PROBE_EVERY:].count(3) >= PROBE_EVERY - PROBE_STEPS
+
+    # A stall counts for at most MAX_JUMP times the estimate; other batch sizes apart.
+    costs = StepCosts()
+    _drive(costs, 1, {3: 0.008, 0: 0.004}, 2.0, 2)
+    costs.record(1, 3, 10.0, 2, decode=True)
+    assert costs.seconds((1, 3)) < 0.02  # not the 5 s of an unclamped mean
+    costs.record(3, 3, 1.0, 6, decode=True)  # bucket 4: not the same as the last step's
+    costs.record(3, 3, 0.04, 6, decode=False)  # prompt rows: not measured
+    assert costs.seconds((4, 3)) is None
+
+
+def test_cost_aware_keeps_greedy_output_and_pauses_where_plain_measured_faster(
+    models: dict[str, Path], baseline: list[list[int]], monkeypatch
+) -> None:
+    """Through the engine: steps timed as if drafted steps cost 10x plain ones run without
+    drafts but the probes; greedy output is plain decoding's either way."""
+    from tandem.engine.speculative import adaptive
+
+    record = adaptive.StepCosts.record
+
+    def slow_drafts(
+        self, batch_size: int, k: int, seconds: float, tokens: int, decode: bool
+    ) -> None:
+        record(self, batch_size, k, 0.001 * batch_size * (10 if k else 1), tokens, decode)
+
+    cfg = {**spec(models, "eagle3"), "adaptive": True, "cost_aware": True}
+    with LLM(str(models["target"]), speculative_config=cfg) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+        assert [o.outputs[0].token_ids for o in outs] == baseline
+        timed = llm.engine.step_costs.sums
+    assert timed and all(v[0] > 0 and v[1] >= v[2] for v in timed.values())
+    long = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)]
+    with LLM(str(models["target"])) as plain:
+        want = plain.generate([PROMPTS[0]], long)[0].outputs[0].token_ids
+    monkeypatch.setattr(adaptive.StepCosts, "record", slow_drafts)
+    with LLM(str(models["target"]), speculative_config=cfg) as llm:
+        (out,) = llm.generate([PROMPTS[0]], long)
+        steps = llm.engine.steps_by_draft_len
+    assert out.outputs[0].token_ids == want
+    drafted = sum(n for k, n in steps.items() if k)
+    # Each draft length is measured on its own (two steps), then only the probes draft.
+    probes = (200 // adaptive.PROBE_EVERY + 1) * adaptive.PROBE_STEPS
+    assert steps.get(0, 0) > 150 and drafted <= 2 * 4 + probes + 4, steps
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -220,6 +329,8 @@ def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
         ({"adaptive": True, "topk": 2, "num_draft_tokens": 4}, "adaptive applies to chains"),
         ({"adaptive": True, "mtp_mode": "vanilla"}, "adaptive applies to chains"),
         ({"adaptive": True, "method": "suffix"}, "adaptive applies to chains"),  # trees
+        ({"cost_aware": True}, "cost_aware needs adaptive: true"),
+        ({"adaptive": True, "cost_aware": 1}, "speculative_config.cost_aware=1 is invalid"),
     ],
 )
 def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:

@@ -14,6 +14,16 @@ with one draft.
 Simulated on chains that accept each position with a fixed probability (0.1 to 0.8, a position
 costing 0.15), this gave as many tokens per unit of step cost as a fixed K of 3, or more.
 
+With ``"cost_aware": true`` the engine also measures its decode steps (``StepCosts``): per
+batch size (rounded up to a power of two) and draft length, the seconds a step costs and the
+tokens it emits per request, and it runs a step without drafts wherever plain decoding measured
+more tokens per second, probing the other choice for ``PROBE_STEPS`` steps every
+``PROBE_EVERY`` steps of a batch size. Measured tokens, not ``rate ** j``: the per-position
+estimate above ranks positions well but misjudges a whole step's yield when acceptance comes in
+runs (the shipped Eagle3 head: an estimate of 0.3-0.4 a position, 1.84 tokens a step). So where
+speculation does not pay (a compute-bound step, drafts that miss) it costs only the probes and
+the paused steps' draft KV.
+
 The engine also shortens the step's draft loop to the deepest draft any of its requests may
 verify (any length on CPUs; where graphs run, rounded up to a K they were captured for), so
 drafts nobody verifies are not drawn. The rule only chooses how many drafts are drawn and verified: what is emitted is decided
@@ -22,7 +32,7 @@ by verification, so output is unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PAUSE_STEPS = 8  # steps a stopped request decodes without drafts before it probes again
 DECAY = 0.9  # weight of the past in the running acceptance, per verification
@@ -90,3 +100,86 @@ def loop_depth(states: list[AdaptiveDepth | None], k_step: int, captured: tuple[
         return 0
     up = min((k for k in captured if k >= deepest), default=max(captured, default=k_step))
     return min(up, k_step)
+
+
+PROBE_EVERY = 64  # steps of a batch size between probes of the choice not taken
+PROBE_STEPS = 4  # a probe's steps: the first changes what is verified, the others are measured
+MEMORY = 16.0  # steps the running estimates remember (each a sum decayed by 1 - 1 / MEMORY)
+MAX_JUMP = 3.0  # a timing counts for at most this many times the estimate (a stall, a GC)
+MARGIN = 1.05  # the choice changes only for this much more measured tokens per second
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes share timings up to the next power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+@dataclass
+class StepCosts:
+    """Seconds and tokens per request of a decode step, by (batch bucket, draft length), as
+    decayed sums over the steps measured (``MEMORY``): the ``"cost_aware"`` choice between the
+    step's drafts and none (module docstring). A step is measured only when it and the step
+    before it were decode steps of the same bucket and draft length (the first step after a
+    change verifies the old choice's drafts). The choice changes only for ``MARGIN`` more tokens
+    per second, so near a tie it does not flip on noise."""
+
+    sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [s, tokens, steps]
+    choice: dict[int, int] = field(default_factory=dict)  # bucket -> 0 (plain) or 1 (drafts)
+    since_probe: dict[int, int] = field(default_factory=dict)
+    probe: tuple[int, int, int] | None = None  # (bucket, draft length, steps left)
+    last: tuple[int, int] | None = None  # the previous step's (bucket, draft length)
+
+    def seconds(self, key: tuple[int, int]) -> float | None:
+        """Seconds a request of a step at ``key`` (None: not measured)."""
+        s = self.sums.get(key)
+        return None if s is None else s[0] / s[2]
+
+    def tokens_per_second(self, key: tuple[int, int]) -> float:
+        s = self.sums[key]
+        return s[1] / s[0]
+
+    def choose(self, batch_size: int, k: int) -> int:
+        """The step's draft length: ``k`` (its drafts) or 0 (none)."""
+        bucket = batch_bucket(batch_size)
+        if self.probe is not None and self.probe[0] == bucket:
+            _, choice, left = self.probe
+            self.probe = (bucket, choice, left - 1) if left > 1 else None
+            return min(choice, k)
+        if (bucket, k) not in self.sums:
+            return k  # measured once it runs twice
+        if (bucket, 0) not in self.sums:
+            return self._start_probe(bucket, 0)
+        spec, plain = self.tokens_per_second((bucket, k)), self.tokens_per_second((bucket, 0))
+        drafts = self.choice.get(bucket, 1)
+        if drafts and plain > MARGIN * spec:
+            drafts = 0
+        elif not drafts and spec > MARGIN * plain:
+            drafts = 1
+        self.choice[bucket] = drafts
+        n = self.since_probe.get(bucket, 0) + 1
+        self.since_probe[bucket] = n
+        if n >= PROBE_EVERY:
+            return self._start_probe(bucket, 0 if drafts else k)
+        return k if drafts else 0
+
+    def _start_probe(self, bucket: int, choice: int) -> int:
+        self.since_probe[bucket] = 0
+        if PROBE_STEPS > 1:
+            self.probe = (bucket, choice, PROBE_STEPS - 1)
+        return choice
+
+    def record(self, batch_size: int, k: int, seconds: float, tokens: int, decode: bool) -> None:
+        """A step of ``batch_size`` requests with a draft loop of ``k`` took ``seconds`` and
+        emitted ``tokens``; ``decode``: every request decoded (no prompt rows)."""
+        key = (batch_bucket(batch_size), k)
+        steady, self.last = decode and self.last == key, key if decode else None
+        if not steady:
+            return
+        time_per, tokens_per = seconds / batch_size, tokens / batch_size
+        s = self.sums.get(key)
+        if s is None:
+            self.sums[key] = [time_per, tokens_per, 1.0]
+            return
+        time_per = min(time_per, MAX_JUMP * s[0] / s[2])
+        keep = 1.0 - 1.0 / MEMORY
+        s[0], s[1], s[2] = keep * s[0] + time_per, keep * s[1] + tokens_per, keep * s[2] + 1.0
