@@ -285,6 +285,8 @@ class ModelRunner:
             self.grammars.receive(step.requests)
         if not step.requests:
             return StepOutput([], [], [])
+        if self.spec is not None:  # paused steps' draft KV, before this step's writes
+            self.spec.flush_step_kv([r.request_id for r in step.requests], step.propose_drafts)
         inp = self.prepare(step, adp_counts)
         replay = None
         if key is not None and self.graph_runner is not None:
@@ -385,7 +387,11 @@ class ModelRunner:
     ) -> StepOutput:
         spec = self.spec
         assert spec is not None
-        draft_hidden = spec.draft.combine_hidden(captured) if captured else hidden
+        # A paused step keeps its draft-KV rows for later (``stash_step_kv``): no draft input.
+        defer = not propose_drafts and bool(inp.sampled) and spec.defers_step_kv(inp.meta)
+        draft_hidden = hidden
+        if captured and not defer:
+            draft_hidden = spec.draft.combine_hidden(captured)
         if not inp.sampled:
             # Chunks that stop mid-prompt: step 0 still writes the draft KV of every row.
             assert inp.next_tokens is not None
@@ -416,7 +422,12 @@ class ModelRunner:
         request_ids = [r.request_id for r in inp.sampled]
         num_accepted, tokens = spec.verify(logits, layout, st, meta, request_ids)
         if not propose_drafts:
-            spec.write_step_kv(inp, draft_hidden, layout, num_accepted, tokens)
+            if defer:
+                features = captured or [hidden]
+                args = (layout, num_accepted, tokens, request_ids)
+                spec.stash_step_kv(inp, features, bool(captured), *args)
+            else:
+                spec.write_step_kv(inp, draft_hidden, layout, num_accepted, tokens)
             new_drafts = tokens.new_empty((b, 0))
             spec.forget(request_ids)
         else:

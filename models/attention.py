@@ -78,19 +78,22 @@ class PagedAttention(nn.Module):
     def bind_kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
         self.k_cache, self.v_cache = caches
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Write this step's K/V [T, Hkv, D] into the cache, attending over nothing."""
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, attend: bool = False
+    ) -> None:
+        """Write this step's K/V [T, Hkv, D] into the cache. ``attend``: attention follows (it
+        builds the step's plan, whose write slots serve here too); alone, a plan is used only
+        if one was built already (the write needs none)."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not bound to this attention layer")
-        write_kv_cache(
-            k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=meta.attention_plan()
-        )
+        plan = meta.attention_plan() if attend or not callable(meta.plan) else None
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=plan)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
-        self.write(k, v, meta)
+        self.write(k, v, meta, attend=True)
         out = paged_attention(
             q,
             self.k_cache,

@@ -65,6 +65,13 @@ class DraftHead(nn.Module):
         """The full (replicated) draft LM-head weight, [draft_V, H]."""
         raise NotImplementedError
 
+    def writes_kv_alone(self, layer_index: int = 0) -> bool:
+        """Whether ``write_kv`` runs only the KV part of draft layer ``layer_index`` (else the
+        whole layer)."""
+        layer = self.layers[layer_index]
+        attn = getattr(layer, "self_attn", None)
+        return hasattr(layer, "write_kv") and callable(getattr(attn, "write_kv", None))
+
     def write_kv(
         self,
         layer_index: int,
@@ -79,9 +86,7 @@ class DraftHead(nn.Module):
         other rank waits on the skipped collectives (under attention DP the MLP gathers every
         rank's rows: there the whole layer runs)."""
         layer = self.layers[layer_index]
-        attn_write = getattr(getattr(layer, "self_attn", None), "write_kv", None)
-        adp = meta.all_rank_num_tokens is not None
-        if attn_write is None or not hasattr(layer, "write_kv") or adp:
+        if meta.all_rank_num_tokens is not None or not self.writes_kv_alone(layer_index):
             self.forward(layer_index, positions, token_ids, hidden, meta)
             return
         assert self.embed_tokens is not None

@@ -347,6 +347,9 @@ class Eagle3Draft(DraftHead):
         else:
             super().write_kv(layer_index, positions, token_ids, hidden, meta)
 
+    def writes_kv_alone(self, layer_index: int = 0) -> bool:
+        return not self.later_layers and super().writes_kv_alone(layer_index)
+
     def enable_cpu_fast_path(self) -> str | None:
         """Give the midlayer the CPU fast path when it qualifies (the caller has loaded the
         extension); returns why not (None: enabled)."""

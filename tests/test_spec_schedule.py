@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from checkpoints import add_mtp_layers, build_eagle3_draft, build_llama
 from tandem import LLM, SamplingParams
@@ -211,6 +212,50 @@ def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
     stats = out.spec_stats
     assert stats is not None and stats.num_draft_tokens == 3 * stats.num_drafts
     assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_paused_steps_draft_kv_waits_and_drafts_the_same(
+    models: dict[str, Path], baseline: list[list[int]], method: str, monkeypatch
+) -> None:
+    """A paused step keeps its draft-KV rows and a later step writes them in one call (before
+    it drafts, or when its requests change): every draft proposed is the one written-at-once
+    KV gives (draft-side: verification would hide a wrong draft KV), and the rows did wait."""
+    from tandem.engine.speculative.decoder import SpecDecoder
+
+    def drafts_with(defer: bool) -> tuple[list, list[int]]:
+        stashed: list[int] = []
+        stash = SpecDecoder.stash_step_kv
+
+        def counting(self, inp, *args, **kw) -> None:
+            stashed.append(int(inp.positions.shape[0]))
+            stash(self, inp, *args, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(SpecDecoder, "stash_step_kv", counting)
+            if not defer:
+                m.setattr(SpecDecoder, "defers_step_kv", lambda self, meta: False)
+            with LLM(str(models["target"]), speculative_config=spec(models, method)) as llm:
+                engine = llm.engine
+                reqs = [engine.add_request(f"r{i}", q, PARAMS[i]) for i, q in enumerate(PROMPTS)]
+                proposed = []
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    proposed.append([list(r.spec_token_ids) for r in reqs])
+        assert [r.output_token_ids for r in reqs] == baseline
+        return proposed, stashed
+
+    at_once, none = drafts_with(defer=False)
+    deferred, stashed = drafts_with(defer=True)
+    assert none == [] and sum(stashed) >= 4 * 2, stashed  # paused steps of 4 requests waited
+    assert deferred == at_once
+
+
+def test_last_writes_keeps_each_slots_later_row() -> None:
+    from tandem.engine.speculative.decoder import last_writes
+
+    slots = torch.tensor([7, 3, 9, 3, -1, 7, 5, -1])
+    assert last_writes(slots).tolist() == [2, 3, 5, 6, 7]
 
 
 def _drive(

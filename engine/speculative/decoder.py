@@ -48,6 +48,28 @@ from tandem.kernels.spec_decode import accept_matching, build_draft_step0_inputs
 from tandem.models.attention import AttentionMetadata
 from tandem.models.parallel import ParallelMapping, adp_lm_head_tp_argmax
 
+# Paused steps' draft KV waits for at most this many rows (``SpecDecoder.stash_step_kv``).
+DEFER_MAX_ROWS = 4096
+
+
+def last_writes(slots: Tensor) -> Tensor:
+    """Indices of the last row written to each slot, in row order (a slot written twice keeps
+    its later row, as writing the rows one step after another would)."""
+    uniq, inverse = torch.unique(slots, return_inverse=True)
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    last = torch.full_like(uniq, -1, dtype=torch.long)
+    return last.scatter_reduce(0, inverse, rows, reduce="amax").sort().values
+
+
+@dataclass
+class DeferredRows:
+    """A paused step's draft-KV rows (``SpecDecoder.stash_step_kv``)."""
+
+    positions: Tensor
+    tokens: Tensor  # each row's draft input token (the token after it)
+    features: list[Tensor]  # the captured target states (Eagle3), or the target's hidden rows
+    slots: Tensor
+
 
 @dataclass
 class SpecResult:
@@ -82,6 +104,10 @@ class SpecDecoder:
         # Greedy Eagle3 draft steps after the first as one CPU fast-path call where it applies
         # (the same drafts as the step-by-step loop; tests turn it off to compare).
         self.fast_chain = True
+        # Paused steps' draft KV, written later in one call (``stash_step_kv``).
+        self.deferred: list[DeferredRows] = []
+        self.deferred_ids: frozenset[str] = frozenset()
+        self.deferred_captured = False
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -169,6 +195,74 @@ class SpecDecoder:
             layout.first_row, num_accepted, tokens, inp.input_ids, last_rows, inp.next_tokens
         )
         self.write_prompt_kv(inp, step_tokens, draft_hidden)
+
+    def defers_step_kv(self, meta: AttentionMetadata) -> bool:
+        """Whether a paused step's draft KV may wait (``stash_step_kv``): a head whose draft
+        layer writes its KV alone, on this rank's rows only (not under attention DP)."""
+        writes_alone = getattr(self.draft, "writes_kv_alone", None)
+        return (
+            not self.vanilla
+            and meta.all_rank_num_tokens is None
+            and writes_alone is not None
+            and writes_alone()
+        )
+
+    def stash_step_kv(
+        self,
+        inp: Any,
+        features: list[Tensor],
+        captured: bool,
+        layout: VerifyLayout,
+        num_accepted: Tensor,
+        tokens: Tensor,
+        request_ids: list[str],
+    ) -> None:
+        """``write_step_kv`` deferred: the rows' positions, input tokens, draft input features
+        (``captured``: the target states Eagle3's ``combine_hidden`` reads, run at the flush)
+        and slots are kept, and ``flush_step_kv`` writes every kept row in one call. A paused
+        step then costs a copy of its rows, and the head's matrices are read once per flush
+        rather than once per step (or never, for a request that ends paused)."""
+        last_rows = inp.meta.query_start_loc[1:].long() - 1
+        step_tokens, _ = build_draft_step0_inputs(
+            layout.first_row, num_accepted, tokens, inp.input_ids, last_rows, inp.next_tokens
+        )
+        self.deferred.append(
+            DeferredRows(
+                inp.positions.clone(),
+                step_tokens,
+                [f.clone() for f in features],
+                inp.meta.slot_mapping.clone(),
+            )
+        )
+        self.deferred_ids = frozenset(request_ids)
+        self.deferred_captured = captured
+
+    def flush_step_kv(self, request_ids: list[str] | None = None, drafts: bool = True) -> None:
+        """Write the kept rows before anything reads or reuses their slots: before a step that
+        drafts (``drafts``), one whose requests are not the kept rows' (a request ended, was
+        preempted or arrived: blocks may be freed and reused, or found in the prefix cache), or
+        past ``DEFER_MAX_ROWS`` rows. ``request_ids`` None: now."""
+        if not self.deferred:
+            return
+        if (
+            request_ids is not None
+            and not drafts
+            and frozenset(request_ids) == self.deferred_ids
+            and sum(d.slots.shape[0] for d in self.deferred) < DEFER_MAX_ROWS
+        ):
+            return
+        rows, self.deferred = self.deferred, []
+        slots = torch.cat([d.slots for d in rows])
+        keep = last_writes(slots)
+        features = [
+            torch.cat([d.features[i] for d in rows])[keep] for i in range(len(rows[0].features))
+        ]
+        hidden = self.draft.combine_hidden(features) if self.deferred_captured else features[0]
+        empty = slots.new_zeros(0, dtype=torch.int32)
+        meta = AttentionMetadata(slots[keep], empty.view(0, 0), empty, empty, 0, 0)
+        positions = torch.cat([d.positions for d in rows])[keep]
+        tokens = torch.cat([d.tokens for d in rows])[keep]
+        self.draft.write_kv(0, positions, tokens, hidden, meta)
 
     def _vanilla_tokens(self, k: int, step_tokens: Tensor, inp: Any) -> Tensor:
         """Layer k's input token of every row: the token k + 1 positions ahead of it, from the
@@ -515,6 +609,9 @@ class SpecDecoder:
 class EngineDrafted:
     """For decoders whose drafts come from the engine with the step's tokens (n-gram chains,
     suffix trees): no draft layers, so no draft KV to write and nothing to propose."""
+
+    def defers_step_kv(self, meta: AttentionMetadata) -> bool:
+        return False
 
     def write_prompt_kv(self, inp: Any, step_tokens: Tensor, draft_hidden: Tensor) -> None:
         return None

@@ -40,6 +40,9 @@ class DraftModelDecoder(SpecDecoder):
         (``step_tokens``, the shifted ids a head would read, are not used)."""
         self.draft(0, inp.positions, inp.input_ids, None, inp.meta)
 
+    def defers_step_kv(self, meta: AttentionMetadata) -> bool:
+        return False  # its paused steps write their draft KV at once
+
     def write_step_kv(
         self,
         inp: Any,

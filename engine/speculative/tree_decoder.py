@@ -303,6 +303,9 @@ class TreeDecoder(SpecDecoder):
             identity, first + j, first + 1 + path.clamp_min(0), j <= num_accepted[:, None]
         )
 
+    def defers_step_kv(self, meta: AttentionMetadata) -> bool:
+        return False  # its paused steps write their draft KV at once
+
     def write_step_kv(
         self,
         inp: Any,
