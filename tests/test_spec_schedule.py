@@ -299,9 +299,9 @@ def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
     costs = StepCosts()
     ks = _drive(costs, 1, {3: 0.008, 0: 0.004}, 3.0, 400)
     assert ks[:6] == [3, 3] + [0] * PROBE_STEPS  # drafts measured, then plain probed
-    assert costs.seconds((1, 3)) == pytest.approx(0.008)
+    assert costs.seconds((1, 1)) == pytest.approx(0.008)
     assert costs.seconds((1, 0)) == pytest.approx(0.004)
-    assert costs.tokens_per_second((1, 3)) == pytest.approx(375)
+    assert costs.tokens_per_second((1, 1)) == pytest.approx(375)
     runs = "".join("s" if k else "p" for k in ks[6:]).split("s")
     assert {len(r) for r in runs} == {0, PROBE_STEPS}  # plain only in probes
     assert (
@@ -313,7 +313,7 @@ def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
     ks = _drive(costs, 4, {3: 0.008, 0: 0.004}, 1.5, 400)
     runs = "".join("s" if k else "p" for k in ks[6:]).split("p")
     assert {len(r) for r in runs} == {0, PROBE_STEPS}
-    assert costs.tokens_per_second((4, 3)) == pytest.approx(1.5 / 0.008)
+    assert costs.tokens_per_second((4, 1)) == pytest.approx(1.5 / 0.008)
 
     # The load changes (drafts get cheaper): the probes move the estimate, and it switches.
     ks = _drive(costs, 4, {3: 0.005, 0: 0.004}, 1.5, 12 * PROBE_EVERY)
@@ -327,10 +327,14 @@ def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
     costs = StepCosts()
     _drive(costs, 1, {3: 0.008, 0: 0.004}, 2.0, 2)
     costs.record(1, 3, 10.0, 2, decode=True)
-    assert costs.seconds((1, 3)) < 0.02  # not the 5 s of an unclamped mean
+    assert costs.seconds((1, 1)) < 0.02  # not the 5 s of an unclamped mean
+    # Steps with drafts count together, whatever their length (the per-request rule's).
+    steps = costs.sums[(1, 1)][2]
+    costs.record(1, 2, 0.008, 2, decode=True)
+    assert costs.sums[(1, 1)][2] > steps
     costs.record(3, 3, 1.0, 6, decode=True)  # bucket 4: not the same as the last step's
     costs.record(3, 3, 0.04, 6, decode=False)  # prompt rows: not measured
-    assert costs.seconds((4, 3)) is None
+    assert costs.seconds((4, 1)) is None
 
 
 def test_cost_aware_keeps_greedy_output_and_pauses_where_plain_measured_faster(

@@ -15,9 +15,9 @@ Simulated on chains that accept each position with a fixed probability (0.1 to 0
 costing 0.15), this gave as many tokens per unit of step cost as a fixed K of 3, or more.
 
 With ``"cost_aware": true`` the engine also measures its decode steps (``StepCosts``): per
-batch size (rounded up to a power of two) and draft length, the seconds a step costs and the
-tokens it emits per request, and it runs a step without drafts wherever plain decoding measured
-more tokens per second, probing the other choice for ``PROBE_STEPS`` steps every
+batch size (rounded up to a power of two), for steps with drafts (whatever their length) and
+steps without, the seconds a step costs and the tokens it emits per request, and it runs a step
+without drafts wherever plain decoding measured more tokens per second, probing the other choice for ``PROBE_STEPS`` steps every
 ``PROBE_EVERY`` steps of a batch size. Measured tokens, not ``rate ** j``: the per-position
 estimate above ranks positions well but misjudges a whole step's yield when acceptance comes in
 runs (the shipped Eagle3 head: an estimate of 0.3-0.4 a position, 1.84 tokens a step). So where
@@ -116,18 +116,21 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class StepCosts:
-    """Seconds and tokens per request of a decode step, by (batch bucket, draft length), as
+    """Seconds and tokens per request of a decode step, by (batch bucket, drafts: 1 or 0), as
     decayed sums over the steps measured (``MEMORY``): the ``"cost_aware"`` choice between the
-    step's drafts and none (module docstring). A step is measured only when it and the step
-    before it were decode steps of the same bucket and draft length (the first step after a
-    change verifies the old choice's drafts). The choice changes only for ``MARGIN`` more tokens
-    per second, so near a tie it does not flip on noise."""
+    step's drafts and none (module docstring). Steps with drafts count together whatever their
+    length: the per-request rule above sets the lengths, and a length it picks while its
+    acceptance is low must not make plain decoding look better than speculating as configured
+    (plain steps verify nothing, so its estimates would not recover until a probe). A step is
+    measured only when it and the step before it were decode steps of the same bucket and
+    choice (the first step after a change verifies the old choice's drafts). The choice changes
+    only for ``MARGIN`` more tokens per second, so near a tie it does not flip on noise."""
 
     sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [s, tokens, steps]
     choice: dict[int, int] = field(default_factory=dict)  # bucket -> 0 (plain) or 1 (drafts)
     since_probe: dict[int, int] = field(default_factory=dict)
     probe: tuple[int, int, int] | None = None  # (bucket, draft length, steps left)
-    last: tuple[int, int] | None = None  # the previous step's (bucket, draft length)
+    last: tuple[int, int] | None = None  # the previous step's (bucket, drafts)
 
     def seconds(self, key: tuple[int, int]) -> float | None:
         """Seconds a request of a step at ``key`` (None: not measured)."""
@@ -145,11 +148,11 @@ class StepCosts:
             _, choice, left = self.probe
             self.probe = (bucket, choice, left - 1) if left > 1 else None
             return min(choice, k)
-        if (bucket, k) not in self.sums:
+        if (bucket, 1) not in self.sums:
             return k  # measured once it runs twice
         if (bucket, 0) not in self.sums:
             return self._start_probe(bucket, 0)
-        spec, plain = self.tokens_per_second((bucket, k)), self.tokens_per_second((bucket, 0))
+        spec, plain = self.tokens_per_second((bucket, 1)), self.tokens_per_second((bucket, 0))
         drafts = self.choice.get(bucket, 1)
         if drafts and plain > MARGIN * spec:
             drafts = 0
@@ -171,7 +174,7 @@ class StepCosts:
     def record(self, batch_size: int, k: int, seconds: float, tokens: int, decode: bool) -> None:
         """A step of ``batch_size`` requests with a draft loop of ``k`` took ``seconds`` and
         emitted ``tokens``; ``decode``: every request decoded (no prompt rows)."""
-        key = (batch_bucket(batch_size), k)
+        key = (batch_bucket(batch_size), 1 if k else 0)
         steady, self.last = decode and self.last == key, key if decode else None
         if not steady:
             return
