@@ -114,8 +114,11 @@ class LLMEngine:
         self.adaptive: dict[str, AdaptiveDepth] | None = (
             {} if sc is not None and sc.adaptive else None
         )
-        # "cost_aware": steps timed, and no drafts where plain decoding measured faster.
+        # "cost_aware": steps timed, and no drafts where plain decoding measured faster. A step
+        # is timed from its start to the next one's (its outputs, detokenizing, the caller's
+        # loop: what a token costs besides the forward); (batch, K, decode, start).
         self.step_costs = StepCosts() if sc is not None and sc.cost_aware else None
+        self.timed_step: tuple[int, int, bool, float] | None = None
         self.captured_draft_lens: tuple[int, ...] = ()
         if sc is not None and self.pad_ngram:
             ks = {sc.num_speculative_tokens} | {k for _, k in sc.draft_len_schedule if k}
@@ -304,6 +307,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that advanced or finished."""
         self.step_request_ids = None
+        step_start = time.perf_counter()
+        if self.timed_step is not None and self.step_costs is not None:
+            batch, k, decode, start = self.timed_step
+            self.step_costs.record(batch, k, step_start - start, decode)
+        self.timed_step = None
         if self.structured.pending:
             # Nothing else to run: wait a little for a grammar rather than spin.
             idle = not any(s.has_unfinished() for s in self.schedulers)
@@ -338,13 +346,10 @@ class LLMEngine:
         for inp in inputs:
             inp.num_draft_steps = k_step if 0 < k_step < self.num_spec_tokens else None
         self._send_grammars(inputs)
-        start = time.perf_counter()
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         if self.step_costs is not None:
             decode = all(s.num_new_tokens == 1 + s.num_drafts for s in scheduled)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(t) for t in result.token_ids)
-            self.step_costs.record(len(scheduled), k_step, seconds, tokens, decode)
+            self.timed_step = (len(scheduled), k_step, decode, step_start)
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths
         now = time.monotonic()
@@ -370,6 +375,8 @@ class LLMEngine:
                     parents = request.spec_parents[:n_drafts]
                     verified = verified_nodes(parents, request.spec_max_depth)
                 request.spec_stats.record(verified, accepted, self.num_spec_tokens)
+                if self.step_costs is not None and n_drafts:
+                    self.step_costs.verified(accepted)
                 self.spec_stats.record(verified, accepted, self.num_spec_tokens)
                 if self.structured.is_constrained(rid):
                     self.constrained_drafts += n_drafts

@@ -261,23 +261,28 @@ def test_last_writes_keeps_each_slots_later_row() -> None:
 def _drive(
     costs: Any, batch: int, seconds: dict[int, float], tokens: float, steps: int
 ) -> list[int]:
-    """The engine's use of ``StepCosts``: choose, run (``seconds`` a request by choice; a
-    drafted step emits ``tokens`` a request), record."""
-    ks = []
+    """The engine's use of ``StepCosts``: choose, run (``seconds`` a request by choice; each
+    request's verification of its drafts emits ``tokens``), record."""
+    ks, drafted = [], False
     for _ in range(steps):
         k = costs.choose(batch, 3)
-        emitted = round((tokens if k else 1) * batch)
-        costs.record(batch, k, seconds[k] * batch, emitted, decode=True)
+        if drafted:  # this step verifies the last step's drafts
+            for _ in range(batch):
+                costs.verified(tokens - 1)  # type: ignore[arg-type]  (a mean)
+        costs.record(batch, k, seconds[k] * batch, decode=True)
         ks.append(k)
+        drafted = k > 0
     return ks
 
 
 def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
-    """Drafts where their measured tokens per second beat plain decoding's, none elsewhere; the
-    other choice probed for PROBE_STEPS steps every PROBE_EVERY; a step is measured only after
-    a step of the same choice (the first after a change verifies the old one's drafts)."""
+    """Drafts where their tokens per second (tokens per verification over a drafted step's
+    time) beat plain decoding's, none elsewhere; the other choice probed for PROBE_STEPS steps
+    every PROBE_EVERY; a step is timed only after a step of the same choice (the first after a
+    change verifies the old one's drafts)."""
     from tandem.engine.speculative.adaptive import (
         MARGIN,
+        MIN_TIMED,
         PROBE_EVERY,
         PROBE_STEPS,
         StepCosts,
@@ -298,22 +303,24 @@ def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
     # A drafted step costs 2x a plain one and emits 3 tokens: drafts pay.
     costs = StepCosts()
     ks = _drive(costs, 1, {3: 0.008, 0: 0.004}, 3.0, 400)
-    assert ks[:6] == [3, 3] + [0] * PROBE_STEPS  # drafts measured, then plain probed
+    warm = int(MIN_TIMED) + 1
+    assert ks[: warm + PROBE_STEPS] == [3] * warm + [0] * PROBE_STEPS  # timed, then plain probed
     assert costs.seconds((1, 1)) == pytest.approx(0.008)
     assert costs.seconds((1, 0)) == pytest.approx(0.004)
-    assert costs.tokens_per_second((1, 1)) == pytest.approx(375)
-    runs = "".join("s" if k else "p" for k in ks[6:]).split("s")
+    assert costs.tokens_per_verification() == pytest.approx(3.0)
+    rest = ks[warm + PROBE_STEPS :]
+    runs = "".join("s" if k else "p" for k in rest).split("s")
     assert {len(r) for r in runs} == {0, PROBE_STEPS}  # plain only in probes
-    assert (
-        394 // (PROBE_EVERY + PROBE_STEPS) <= ks[6:].count(0) // PROBE_STEPS <= 394 // PROBE_EVERY
-    )
+    assert len(rest) // (PROBE_EVERY + PROBE_STEPS) <= rest.count(0) // PROBE_STEPS
+    assert rest.count(0) // PROBE_STEPS <= len(rest) // PROBE_EVERY
 
     # Four requests, 1.5 tokens each at 2x the cost: plain gives more; only the probes draft.
     costs = StepCosts()
     ks = _drive(costs, 4, {3: 0.008, 0: 0.004}, 1.5, 400)
-    runs = "".join("s" if k else "p" for k in ks[6:]).split("p")
+    rest = ks[warm + PROBE_STEPS :]
+    runs = "".join("s" if k else "p" for k in rest).split("p")
     assert {len(r) for r in runs} == {0, PROBE_STEPS}
-    assert costs.tokens_per_second((4, 1)) == pytest.approx(1.5 / 0.008)
+    assert costs.seconds((4, 1)) == pytest.approx(0.008)
 
     # The load changes (drafts get cheaper): the probes move the estimate, and it switches.
     ks = _drive(costs, 4, {3: 0.005, 0: 0.004}, 1.5, 12 * PROBE_EVERY)
@@ -325,15 +332,15 @@ def test_cost_aware_rule_follows_the_measured_step_costs() -> None:
 
     # A stall counts for at most MAX_JUMP times the estimate; other batch sizes apart.
     costs = StepCosts()
-    _drive(costs, 1, {3: 0.008, 0: 0.004}, 2.0, 2)
-    costs.record(1, 3, 10.0, 2, decode=True)
+    _drive(costs, 1, {3: 0.008, 0: 0.004}, 2.0, 3)
+    costs.record(1, 3, 10.0, decode=True)
     assert costs.seconds((1, 1)) < 0.02  # not the 5 s of an unclamped mean
     # Steps with drafts count together, whatever their length (the per-request rule's).
-    steps = costs.sums[(1, 1)][2]
-    costs.record(1, 2, 0.008, 2, decode=True)
-    assert costs.sums[(1, 1)][2] > steps
-    costs.record(3, 3, 1.0, 6, decode=True)  # bucket 4: not the same as the last step's
-    costs.record(3, 3, 0.04, 6, decode=False)  # prompt rows: not measured
+    steps = costs.sums[(1, 1)][1]
+    costs.record(1, 2, 0.008, decode=True)
+    assert costs.sums[(1, 1)][1] > steps
+    costs.record(3, 3, 1.0, decode=True)  # bucket 4: not the same as the last step's
+    costs.record(3, 3, 0.04, decode=False)  # prompt rows: not timed
     assert costs.seconds((4, 1)) is None
 
 
@@ -346,17 +353,16 @@ def test_cost_aware_keeps_greedy_output_and_pauses_where_plain_measured_faster(
 
     record = adaptive.StepCosts.record
 
-    def slow_drafts(
-        self, batch_size: int, k: int, seconds: float, tokens: int, decode: bool
-    ) -> None:
-        record(self, batch_size, k, 0.001 * batch_size * (10 if k else 1), tokens, decode)
+    def slow_drafts(self, batch_size: int, k: int, seconds: float, decode: bool) -> None:
+        record(self, batch_size, k, 0.001 * batch_size * (10 if k else 1), decode)
 
     cfg = {**spec(models, "eagle3"), "adaptive": True, "cost_aware": True}
     with LLM(str(models["target"]), speculative_config=cfg) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
         assert [o.outputs[0].token_ids for o in outs] == baseline
-        timed = llm.engine.step_costs.sums
-    assert timed and all(v[0] > 0 and v[1] >= v[2] for v in timed.values())
+        costs = llm.engine.step_costs
+    assert costs.sums and all(v[0] > 0 and v[1] > 0 for v in costs.sums.values())
+    assert costs.tokens_per_verification() >= 1.0
     long = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)]
     with LLM(str(models["target"])) as plain:
         want = plain.generate([PROMPTS[0]], long)[0].outputs[0].token_ids

@@ -15,14 +15,15 @@ Simulated on chains that accept each position with a fixed probability (0.1 to 0
 costing 0.15), this gave as many tokens per unit of step cost as a fixed K of 3, or more.
 
 With ``"cost_aware": true`` the engine also measures its decode steps (``StepCosts``): per
-batch size (rounded up to a power of two), for steps with drafts (whatever their length) and
-steps without, the seconds a step costs and the tokens it emits per request, and it runs a step
-without drafts wherever plain decoding measured more tokens per second, probing the other choice for ``PROBE_STEPS`` steps every
-``PROBE_EVERY`` steps of a batch size. Measured tokens, not ``rate ** j``: the per-position
-estimate above ranks positions well but misjudges a whole step's yield when acceptance comes in
-runs (the shipped Eagle3 head: an estimate of 0.3-0.4 a position, 1.84 tokens a step). So where
-speculation does not pay (a compute-bound step, drafts that miss) it costs only the probes and
-the paused steps' draft KV.
+batch size (rounded up to a power of two), the seconds a step with drafts and a step without
+cost per request (each from its start to the next step's: the outputs and detokenizing that a
+token costs besides the forward count too), and the tokens a request emits per verification of
+its drafts; it runs a step without drafts wherever plain decoding measured more tokens per
+second, probing the other choice for ``PROBE_STEPS`` steps every ``PROBE_EVERY`` steps of a
+batch size. Measured tokens, not ``rate ** j``: the per-position estimate above ranks positions
+well but misjudges a whole step's yield when acceptance comes in runs (the shipped Eagle3 head:
+an estimate of 0.3-0.4 a position, 1.84 tokens a step). So where speculation does not pay (a
+compute-bound step, drafts that miss) it costs only the probes.
 
 The engine also shortens the step's draft loop to the deepest draft any of its requests may
 verify (any length on CPUs; where graphs run, rounded up to a K they were captured for), so
@@ -103,10 +104,12 @@ def loop_depth(states: list[AdaptiveDepth | None], k_step: int, captured: tuple[
 
 
 PROBE_EVERY = 64  # steps of a batch size between probes of the choice not taken
-PROBE_STEPS = 4  # a probe's steps: the first changes what is verified, the others are measured
-MEMORY = 16.0  # steps the running estimates remember (each a sum decayed by 1 - 1 / MEMORY)
+PROBE_STEPS = 4  # a probe's steps: the first changes what is verified, the others are timed
+MEMORY = 16.0  # timed steps the running estimates remember (sums decayed by 1 - 1 / MEMORY)
+YIELD_MEMORY = 256.0  # verifications the tokens-per-verification estimate remembers
+MIN_TIMED = 3  # timed steps of each choice before the rule compares them
 MAX_JUMP = 3.0  # a timing counts for at most this many times the estimate (a stall, a GC)
-MARGIN = 1.05  # the choice changes only for this much more measured tokens per second
+MARGIN = 1.05  # the choice changes only for this much more tokens per second
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -116,30 +119,36 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class StepCosts:
-    """Seconds and tokens per request of a decode step, by (batch bucket, drafts: 1 or 0), as
-    decayed sums over the steps measured (``MEMORY``): the ``"cost_aware"`` choice between the
-    step's drafts and none (module docstring). Steps with drafts count together whatever their
-    length: the per-request rule above sets the lengths, and a length it picks while its
-    acceptance is low must not make plain decoding look better than speculating as configured
-    (plain steps verify nothing, so its estimates would not recover until a probe). A step is
-    measured only when it and the step before it were decode steps of the same bucket and
-    choice (the first step after a change verifies the old choice's drafts). The choice changes
-    only for ``MARGIN`` more tokens per second, so near a tie it does not flip on noise."""
+    """The ``"cost_aware"`` choice between a step's drafts and none (module docstring): the
+    seconds a request of a decode step costs, by (batch bucket, drafts: 1 or 0), and the tokens
+    a request emits per verification of its drafts, as decayed running means. A drafted step's
+    yield is ``1 + accepted`` of its verifications (whatever the draft length the per-request
+    rule gave them, counted over every verification, so it is steady long before the timings
+    are); a plain step's is one token. A step is timed only when it and the step before it were
+    decode steps of the same bucket and choice (the first step after a change verifies the old
+    choice's drafts and pays the paused steps' draft KV). The choice changes only for
+    ``MARGIN`` more tokens per second, so near a tie it does not flip on noise."""
 
-    sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # [s, tokens, steps]
+    # [seconds, steps] decayed, and the steps timed
+    sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [tokens, verifications]
     choice: dict[int, int] = field(default_factory=dict)  # bucket -> 0 (plain) or 1 (drafts)
     since_probe: dict[int, int] = field(default_factory=dict)
     probe: tuple[int, int, int] | None = None  # (bucket, draft length, steps left)
     last: tuple[int, int] | None = None  # the previous step's (bucket, drafts)
 
     def seconds(self, key: tuple[int, int]) -> float | None:
-        """Seconds a request of a step at ``key`` (None: not measured)."""
+        """Seconds a request of a step at ``key`` (None: not timed)."""
         s = self.sums.get(key)
-        return None if s is None else s[0] / s[2]
+        return None if s is None else s[0] / s[1]
 
-    def tokens_per_second(self, key: tuple[int, int]) -> float:
-        s = self.sums[key]
-        return s[1] / s[0]
+    def tokens_per_verification(self) -> float | None:
+        t = self.tokens
+        return None if t[1] == 0 else t[0] / t[1]
+
+    def _timed(self, key: tuple[int, int]) -> bool:
+        s = self.sums.get(key)
+        return s is not None and s[2] >= MIN_TIMED
 
     def choose(self, batch_size: int, k: int) -> int:
         """The step's draft length: ``k`` (its drafts) or 0 (none)."""
@@ -148,11 +157,14 @@ class StepCosts:
             _, choice, left = self.probe
             self.probe = (bucket, choice, left - 1) if left > 1 else None
             return min(choice, k)
-        if (bucket, 1) not in self.sums:
-            return k  # measured once it runs twice
-        if (bucket, 0) not in self.sums:
+        yield_ = self.tokens_per_verification()
+        if not self._timed((bucket, 1)) or yield_ is None:
+            return k  # timed (and verified) as it runs
+        if not self._timed((bucket, 0)):
             return self._start_probe(bucket, 0)
-        spec, plain = self.tokens_per_second((bucket, 1)), self.tokens_per_second((bucket, 0))
+        spec_seconds, plain_seconds = self.seconds((bucket, 1)), self.seconds((bucket, 0))
+        assert spec_seconds is not None and plain_seconds is not None
+        spec, plain = yield_ / spec_seconds, 1.0 / plain_seconds
         drafts = self.choice.get(bucket, 1)
         if drafts and plain > MARGIN * spec:
             drafts = 0
@@ -171,18 +183,24 @@ class StepCosts:
             self.probe = (bucket, choice, PROBE_STEPS - 1)
         return choice
 
-    def record(self, batch_size: int, k: int, seconds: float, tokens: int, decode: bool) -> None:
-        """A step of ``batch_size`` requests with a draft loop of ``k`` took ``seconds`` and
-        emitted ``tokens``; ``decode``: every request decoded (no prompt rows)."""
+    def verified(self, accepted: int) -> None:
+        """A request verified its drafts and accepted ``accepted`` of them."""
+        keep = 1.0 - 1.0 / YIELD_MEMORY
+        self.tokens[0] = keep * self.tokens[0] + 1.0 + accepted
+        self.tokens[1] = keep * self.tokens[1] + 1.0
+
+    def record(self, batch_size: int, k: int, seconds: float, decode: bool) -> None:
+        """A step of ``batch_size`` requests with a draft loop of ``k`` took ``seconds``;
+        ``decode``: every request decoded (no prompt rows)."""
         key = (batch_bucket(batch_size), 1 if k else 0)
         steady, self.last = decode and self.last == key, key if decode else None
         if not steady:
             return
-        time_per, tokens_per = seconds / batch_size, tokens / batch_size
+        per_request = seconds / batch_size
         s = self.sums.get(key)
         if s is None:
-            self.sums[key] = [time_per, tokens_per, 1.0]
+            self.sums[key] = [per_request, 1.0, 1.0]
             return
-        time_per = min(time_per, MAX_JUMP * s[0] / s[2])
+        per_request = min(per_request, MAX_JUMP * s[0] / s[1])
         keep = 1.0 - 1.0 / MEMORY
-        s[0], s[1], s[2] = keep * s[0] + time_per, keep * s[1] + tokens_per, keep * s[2] + 1.0
+        s[0], s[1], s[2] = keep * s[0] + per_request, keep * s[1] + 1.0, s[2] + 1.0
