@@ -304,6 +304,13 @@ class ModelRunner:
             )
         if not inp.sampled:
             return StepOutput([], [], [])
+        return self._sample_last_rows(inp, hidden)[0]
+
+    def _sample_last_rows(
+        self, inp: PreparedInputs, hidden: torch.Tensor
+    ) -> tuple[StepOutput, torch.Tensor]:
+        """Plain decoding's sampling: each sampled request's last row → (its output, the ids
+        [B] on the device)."""
         # sample() widens to float32 itself where it needs to (not for plain greedy rows).
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         if any(r.token_bitmask is not None for r in inp.sampled):  # structured output
@@ -325,7 +332,8 @@ class ModelRunner:
                     logprobs[i] = [
                         TokenLogprobs(token_ids[i], chosen[i], top_ids[i][:n], top_lp[i][:n])
                     ]
-        return StepOutput([r.request_id for r in inp.sampled], [[t] for t in token_ids], logprobs)
+        request_ids = [r.request_id for r in inp.sampled]
+        return StepOutput(request_ids, [[t] for t in token_ids], logprobs), out.token_ids
 
     def _bitmask(self, sampled: list[RequestStep], cols: int) -> torch.Tensor:
         """[B * cols, W] int32 bitmask of the sampled logits' rows (``cols`` 1 without
@@ -401,6 +409,23 @@ class ModelRunner:
             return StepOutput([], [], [])
         layout = inp.layout
         assert layout is not None and inp.next_tokens is not None
+        b, k1 = layout.rows.shape
+        # Logits only for the columns some request's drafts reach: the rest repeat a row
+        # (no drafts at all in a paused step: one row per request, not K + 1).
+        cols = 1 + max(r.num_drafts for r in inp.sampled)
+        if defer and cols == 1:
+            # Paused, with nothing to verify: plain decoding's sampling (each request's one
+            # row), its draft-KV rows kept.
+            out, ids = self._sample_last_rows(inp, hidden)
+            request_ids = out.request_ids
+            tokens = ids.view(b, 1).expand(b, k1)
+            num_accepted = torch.zeros(b, dtype=torch.long, device=ids.device)
+            args = (layout, num_accepted, tokens, request_ids)
+            spec.stash_step_kv(inp, captured or [hidden], bool(captured), *args)
+            spec.forget(request_ids)
+            return dataclasses.replace(
+                out, num_drafts=[0] * b, draft_token_ids=[[] for _ in range(b)]
+            )
         st = self.sampling_tensors(inp.sampled)
         meta = self.spec_meta
         assert meta is not None
@@ -408,10 +433,6 @@ class ModelRunner:
             meta.is_all_greedy_sample = st.all_greedy
         else:
             self.scan_sampling_path(meta, st.all_greedy)
-        b, k1 = layout.rows.shape
-        # Logits only for the columns some request's drafts reach: the rest repeat a row
-        # (no drafts at all in a paused step: one row per request, not K + 1).
-        cols = 1 + max(r.num_drafts for r in inp.sampled)
         rows = layout.rows[:, :cols].reshape(-1)
         logits = self.model.compute_logits(hidden[rows]).float().view(b, cols, -1)
         if any(r.token_bitmask is not None for r in inp.sampled):

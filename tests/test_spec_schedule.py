@@ -251,6 +251,40 @@ def test_paused_steps_draft_kv_waits_and_drafts_the_same(
     assert deferred == at_once
 
 
+def test_paused_steps_sample_as_plain_decoding(models: dict[str, Path], monkeypatch) -> None:
+    """A paused step with nothing to verify samples each request's row as plain decoding does
+    (its sampler, logprobs and min_tokens included) and keeps its draft-KV rows: sampled
+    requests of every kind run through a schedule that pauses at 4 requests."""
+    from tandem.engine.model_runner import ModelRunner
+
+    plain_steps = []
+    sample = ModelRunner._sample_last_rows
+
+    def counting(self, inp, hidden):
+        if self.spec is not None:
+            plain_steps.append(len(inp.sampled))
+        return sample(self, inp, hidden)
+
+    monkeypatch.setattr(ModelRunner, "_sample_last_rows", counting)
+    params = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=5, max_tokens=16, min_tokens=16),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0.5, top_p=0.9, max_tokens=8, ignore_eos=True),
+    ]
+    with LLM(str(models["target"]), speculative_config=spec(models, "eagle3")) as llm:
+        outs = llm.generate(PROMPTS, params)
+    assert plain_steps and set(plain_steps) == {4}  # the paused steps, all four requests
+    for out, p in zip(outs, params, strict=True):
+        got = out.outputs[0]
+        assert len(got.token_ids) == p.max_tokens  # min_tokens: no EOS before 16
+        if p.logprobs:
+            assert got.logprobs is not None and len(got.logprobs) == len(got.token_ids)
+            for tok, lp in zip(got.token_ids, got.logprobs, strict=True):
+                assert lp.token_id == tok and lp.logprob <= 0
+                assert len(lp.top_token_ids) == p.logprobs and max(lp.top_logprobs) <= 0
+
+
 def test_last_writes_keeps_each_slots_later_row() -> None:
     from tandem.engine.speculative.decoder import last_writes
 

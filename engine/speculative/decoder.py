@@ -106,6 +106,7 @@ class SpecDecoder:
         self.fast_chain = True
         # Paused steps' draft KV, written later in one call (``stash_step_kv``).
         self.deferred: list[DeferredRows] = []
+        self.deferred_rows = 0
         self.deferred_ids: frozenset[str] = frozenset()
         self.deferred_captured = False
 
@@ -234,6 +235,7 @@ class SpecDecoder:
                 inp.meta.slot_mapping.clone(),
             )
         )
+        self.deferred_rows += int(inp.positions.shape[0])
         self.deferred_ids = frozenset(request_ids)
         self.deferred_captured = captured
 
@@ -248,10 +250,10 @@ class SpecDecoder:
             request_ids is not None
             and not drafts
             and frozenset(request_ids) == self.deferred_ids
-            and sum(d.slots.shape[0] for d in self.deferred) < DEFER_MAX_ROWS
+            and self.deferred_rows < DEFER_MAX_ROWS
         ):
             return
-        rows, self.deferred = self.deferred, []
+        rows, self.deferred, self.deferred_rows = self.deferred, [], 0
         slots = torch.cat([d.slots for d in rows])
         keep = last_writes(slots)
         features = [
