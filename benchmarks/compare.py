@@ -397,7 +397,7 @@ def _main(ns: argparse.Namespace) -> int:
         methods.append(("draft_model", draft_model, "no --draft-model given"))
         for method, chain, why in methods:
             if schedule is not None and chain is not None and method != "suffix":
-                for cost in (False, True) if ns.cost_aware else (False,):
+                for cost in (False, True) if ns.cost_aware and method != "ngram" else (False,):
                     how = "adaptive, cost-aware" if cost else "adaptive"
                     name = f"tandem + {method} ({how}, schedule {json.dumps(schedule)})"
                     spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}

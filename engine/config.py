@@ -631,6 +631,11 @@ class SpeculativeConfig:
                 "speculative_config.cost_aware needs adaptive: true (it weighs the requests' "
                 "running acceptance against the measured step costs)"
             )
+        if self.cost_aware and self.method == "ngram":
+            raise ValueError(
+                "speculative_config.cost_aware applies to eagle3, mtp and draft_model (n-gram "
+                "drafts cost no draft forward: a step's K is the adaptive rule's alone)"
+            )
         if not self.draft_len_schedule:
             return
         if self.mtp_mode == "vanilla":

@@ -420,6 +420,10 @@ def test_cost_aware_keeps_greedy_output_and_pauses_where_plain_measured_faster(
         ({"adaptive": True, "method": "suffix"}, "adaptive applies to chains"),  # trees
         ({"cost_aware": True}, "cost_aware needs adaptive: true"),
         ({"adaptive": True, "cost_aware": 1}, "speculative_config.cost_aware=1 is invalid"),
+        (
+            {"method": "ngram", "adaptive": True, "cost_aware": True},
+            "cost_aware applies to eagle3, mtp and draft_model",
+        ),
     ],
 )
 def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:
