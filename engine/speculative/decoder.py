@@ -239,16 +239,15 @@ class SpecDecoder:
         self.deferred_ids = frozenset(request_ids)
         self.deferred_captured = captured
 
-    def flush_step_kv(self, request_ids: list[str] | None = None, drafts: bool = True) -> None:
-        """Write the kept rows before anything reads or reuses their slots: before a step that
-        drafts (``drafts``), one whose requests are not the kept rows' (a request ended, was
-        preempted or arrived: blocks may be freed and reused, or found in the prefix cache), or
-        past ``DEFER_MAX_ROWS`` rows. ``request_ids`` None: now."""
+    def flush_step_kv(self, request_ids: list[str], drafts: bool) -> None:
+        """Before a step of ``request_ids``, write the kept rows before anything reads or
+        reuses their slots: if the step drafts (``drafts``), if its requests are not the kept
+        rows' (a request ended, was preempted or arrived: blocks may be freed and reused, or
+        found in the prefix cache), or past ``DEFER_MAX_ROWS`` rows."""
         if not self.deferred:
             return
         if (
-            request_ids is not None
-            and not drafts
+            not drafts
             and frozenset(request_ids) == self.deferred_ids
             and self.deferred_rows < DEFER_MAX_ROWS
         ):
