@@ -285,7 +285,7 @@ class ModelRunner:
             self.grammars.receive(step.requests)
         if not step.requests:
             return StepOutput([], [], [])
-        if self.spec is not None:  # paused steps' draft KV, before this step's writes
+        if self.spec is not None and self.spec.deferred:  # paused steps' draft KV first
             self.spec.flush_step_kv([r.request_id for r in step.requests], step.propose_drafts)
         inp = self.prepare(step, adp_counts)
         replay = None

@@ -66,13 +66,19 @@ class Eagle3MidLayer(nn.Module):
         ``pick_rows`` when given. Returns the pre-norm output, [len(pick_rows) or T, H]."""
         if self.fast_path is not None and self.fast_path.accepts(embeds, meta):
             return self.fast_path(positions, embeds, hidden, meta, pick_rows)
+        x, normed = self._attention_input(embeds, hidden)
+        # norm_before_residual (speculators): the residual is the normed hidden state.
+        residual = normed if self.norm_before_residual else hidden
+        return post_attention(self, self.self_attn(positions, x, meta), residual, meta, pick_rows)
+
+    def _attention_input(
+        self, embeds: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat[embed path, hidden path] [T, 2H], the hidden path)."""
         normed = hidden if self.hidden_norm is None else self.hidden_norm(hidden)
         if self.input_layernorm is not None:
             embeds = self.input_layernorm(embeds)
-        # norm_before_residual (speculators): the residual is the normed hidden state.
-        residual = normed if self.norm_before_residual else hidden
-        x = self.self_attn(positions, torch.cat([embeds, normed], dim=-1), meta)
-        return post_attention(self, x, residual, meta, pick_rows)
+        return torch.cat([embeds, normed], dim=-1), normed
 
     def write_kv(
         self,
@@ -82,10 +88,7 @@ class Eagle3MidLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> None:
         """Only the draft KV of every row (``DraftHead.write_kv``)."""
-        normed = hidden if self.hidden_norm is None else self.hidden_norm(hidden)
-        if self.input_layernorm is not None:
-            embeds = self.input_layernorm(embeds)
-        self.self_attn.write_kv(positions, torch.cat([embeds, normed], dim=-1), meta)
+        self.self_attn.write_kv(positions, self._attention_input(embeds, hidden)[0], meta)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -332,22 +335,9 @@ class Eagle3Draft(DraftHead):
             out = layer(positions, out, meta)
         return out
 
-    def write_kv(
-        self,
-        layer_index: int,
-        positions: torch.Tensor,
-        token_ids: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
+    def writes_kv_alone(self, layer_index: int = 0) -> bool:
         """A later layer's KV reads the midlayer's output: with later layers the whole step
         runs."""
-        if self.later_layers:
-            self.forward(layer_index, positions, token_ids, hidden, meta)
-        else:
-            super().write_kv(layer_index, positions, token_ids, hidden, meta)
-
-    def writes_kv_alone(self, layer_index: int = 0) -> bool:
         return not self.later_layers and super().writes_kv_alone(layer_index)
 
     def enable_cpu_fast_path(self) -> str | None:

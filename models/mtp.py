@@ -71,10 +71,13 @@ class MTPLayer(nn.Module):
         only on ``pick_rows`` when given. Returns the pre-norm output."""
         if self.fast_path is not None and self.fast_path.accepts(embeds, meta):
             return self.fast_path(positions, embeds, hidden, meta, pick_rows)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        residual = x
-        x = self.self_attn(positions, self.input_layernorm(x), meta)
+        residual = self._combined(embeds, hidden)
+        x = self.self_attn(positions, self.input_layernorm(residual), meta)
         return post_attention(self, x, residual, meta, pick_rows)
+
+    def _combined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``eh_proj`` over the normed embedding and hidden state: the layer's input [T, H]."""
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
 
     def write_kv(
         self,
@@ -85,8 +88,8 @@ class MTPLayer(nn.Module):
     ) -> None:
         """Only this layer's KV of every row (``DraftHead.write_kv``; needs an attention with
         ``write_kv``)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        self.self_attn.write_kv(positions, self.input_layernorm(x), meta)
+        x = self.input_layernorm(self._combined(embeds, hidden))
+        self.self_attn.write_kv(positions, x, meta)
 
 
 class MTPFastPath(FastDraftLayer):
