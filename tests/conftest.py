@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -95,7 +96,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # TANDEM_TEST_CPU_LOG=path: each test process appends a line per test file to ``path``: its wall
 # seconds, its own CPU seconds and those of the processes it started and reaped (servers, ranks,
-# pip), to find what to cut as the suite grows (``--durations`` shows wall time only).
+# pip), the file, the xdist worker and the wall clock at its end, to find what to cut as the
+# suite grows and where a worker idled (``--durations`` shows wall time only).
 _CPU_LOG = os.environ.get("TANDEM_TEST_CPU_LOG")
 _current: list = []  # [file, wall, own CPU, children's CPU] at the file's first test
 
@@ -114,7 +116,8 @@ def _log_file_cpu() -> None:
         name, *start = _current
         wall, own, kids = (now - then for now, then in zip(_clock(), start, strict=True))
         with open(_CPU_LOG, "a") as f:
-            f.write(f"{wall:8.1f} {own:8.1f} {kids:8.1f} {name}\n")
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
+            f.write(f"{wall:8.1f} {own:8.1f} {kids:8.1f} {name} {worker} {time.time():.1f}\n")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
