@@ -53,16 +53,18 @@ $(STAMP): pyproject.toml $(LOCK)
 # The suite in two parts: everything that can share the machine on TEST_WORKERS processes
 # (pytest-xdist; whole files per process, so a module's server or ranks start once; three on 2
 # cores: many tests wait on servers and ranks more than they compute), then the tests marked
-# `serial` (timing-sensitive) alone; the parallel part lists its 40 slowest tests (what to cut
-# when the suite grows). Exit status 5 is "nothing selected" (a PYTEST_ARGS that
-# picks tests of one part only).
+# `serial` (timing-sensitive) alone, from the files that have any (none today: collecting the
+# whole suite again costs some 15 s); the parallel part lists its 40 slowest tests (what to cut
+# when the suite grows). Exit status 5 is "nothing selected" (a PYTEST_ARGS that picks tests of
+# one part only).
 TEST_WORKERS ?= 3
+SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=40 $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
-	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(if $(SERIAL_FILES),$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) $(SERIAL_FILES) || [ $$? -eq 5 ])
 
 # The inner loop: the test files the change can reach (scripts/changed_tests.py: the files it
 # touched, their importers through the package's imports, the helpers of tests/), in parallel;

@@ -145,6 +145,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='with --schedule, a second adaptive row per chain method with "cost_aware": true',
     )
     p.add_argument(
+        "--confidence",
+        default="",
+        metavar="C[,C...]",
+        help="with --schedule, an adaptive row per head method (eagle3, mtp) for each "
+        '"confidence_threshold" C',
+    )
+    p.add_argument(
         "--workload",
         choices=tuple(WORKLOADS),
         default="chat",
@@ -316,6 +323,12 @@ def _main(ns: argparse.Namespace) -> int:
             schedule = json.loads(ns.schedule)
         except ValueError as e:
             raise BenchError(f"--schedule: {e}") from None
+    try:
+        confidences = [float(c) for c in filter(None, ns.confidence.split(","))]
+    except ValueError:
+        raise BenchError(f"--confidence {ns.confidence!r}: numbers in (0, 1) expected") from None
+    if confidences and schedule is None:
+        raise BenchError("--confidence needs --schedule (its rows are adaptive)")
     gguf = ns.gguf
     if ns.llama_cpp is not None:
         if gguf is None and builtin:
@@ -397,12 +410,20 @@ def _main(ns: argparse.Namespace) -> int:
         methods.append(("draft_model", draft_model, "no --draft-model given"))
         for method, chain, why in methods:
             if schedule is not None and chain is not None and method != "suffix":
-                for cost in (False, True) if ns.cost_aware and method != "ngram" else (False,):
-                    how = "adaptive, cost-aware" if cost else "adaptive"
+                variants: list[dict[str, Any]] = [{}]
+                if ns.cost_aware and method != "ngram":
+                    variants.append({"cost_aware": True})
+                if method in ("eagle3", "mtp"):
+                    variants += [{"confidence_threshold": c} for c in confidences]
+                for extra in variants:
+                    how = "adaptive"
+                    if extra.get("cost_aware"):
+                        how += ", cost-aware"
+                    if "confidence_threshold" in extra:
+                        how += f", confidence {extra['confidence_threshold']:g}"
                     name = f"tandem + {method} ({how}, schedule {json.dumps(schedule)})"
                     spec = {**chain, "num_speculative_tokens": schedule, "adaptive": True}
-                    if cost:
-                        spec["cost_aware"] = True
+                    spec.update(extra)
                     spec.pop("disable_by_batch_size", None)
                     add_tandem(name, spec)
             for topk, n in [(1, k), *trees] if method in ("eagle3", "mtp") else [(1, k)]:

@@ -368,6 +368,11 @@ class SpeculativeConfig:
     # With adaptive: time the decode steps and run a step without drafts where plain decoding
     # measured more tokens per second (engine/speculative/adaptive.py, StepCosts).
     cost_aware: bool = False
+    # With adaptive (eagle3, mtp): a request verifies only the drafts whose running product of
+    # the head's own probabilities (softmax of its argmax, or q of a sampled draft) is at least
+    # this, EAGLE-2 style; it may then draft up to K while the head is sure (the rate rule
+    # still pauses a request whose drafts stopped paying). None: off.
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -636,6 +641,25 @@ class SpeculativeConfig:
                 "speculative_config.cost_aware applies to eagle3, mtp and draft_model (n-gram "
                 "drafts cost no draft forward: a step's K is the adaptive rule's alone)"
             )
+        c = self.confidence_threshold
+        if c is not None:
+            _require(
+                isinstance(c, (int, float)) and not isinstance(c, bool) and 0.0 < c < 1.0,
+                "speculative_config.confidence_threshold",
+                c,
+                "a number in (0, 1)",
+            )
+            if not self.adaptive:
+                raise ValueError(
+                    "speculative_config.confidence_threshold needs adaptive: true (it sets each "
+                    "request's draft length from its head's confidence)"
+                )
+            if self.method not in ("eagle3", "mtp"):
+                raise ValueError(
+                    "speculative_config.confidence_threshold applies to eagle3 and mtp (the "
+                    f"draft head's probabilities); method {self.method!r} has none here"
+                )
+            object.__setattr__(self, "confidence_threshold", float(c))
         if not self.draft_len_schedule:
             return
         if self.mtp_mode == "vanilla":

@@ -312,12 +312,14 @@ class GraphRunner:
 
         return draft
 
-    def _draft_fn(self, b: int, k: int, variant: str) -> Callable[[], tuple[Tensor, Tensor | None]]:
+    def _draft_fn(
+        self, b: int, k: int, variant: str
+    ) -> Callable[[], tuple[Tensor, Tensor | None, Tensor | None]]:
         spec, buf, n = self.spec, self.buffers, b * (k + 1)
         assert spec is not None
         advanced = variant == ADVANCED
 
-        def draft() -> tuple[Tensor, Tensor | None]:
+        def draft() -> tuple[Tensor, Tensor | None, Tensor | None]:
             meta = self._meta(b, k)
             layout = self._layout(b, k, meta)
             vanilla = SimpleNamespace(future=None, row_req=None, row_last=None)
@@ -329,7 +331,7 @@ class GraphRunner:
                 )
             spec_meta = SpecMetadata(self.k, spec.config.use_rejection_sampling)
             spec_meta.is_all_greedy_sample = not advanced
-            return spec.draft_loop(
+            new_drafts, q_all = spec.draft_loop(
                 vanilla,
                 buf["input_ids"][:n],
                 buf["positions"][:n],
@@ -344,6 +346,8 @@ class GraphRunner:
                 buf["noise"][:, :b] if advanced else None,
                 steps=None if k == self.k else k,
             )
+            # The drafts' confidence (confidence_threshold) is one more output of the graph.
+            return new_drafts, q_all, spec.last_confidence
 
         return draft
 
@@ -522,8 +526,9 @@ class GraphReplay:
             buf["min_p"][:b].copy_(st.min_p)
             noise = spec.draw_draft_noise(b, st, num_accepted.device, k)
             buf["noise"][:k, :b].copy_(noise)
-        new_drafts, q_all = self.captured.draft.replay()
+        new_drafts, q_all, conf = self.captured.draft.replay()
         spec.keep_q(request_ids, None if q_all is None else q_all.clone())
+        spec.last_confidence = None if conf is None else conf.clone()
         return new_drafts.clone()
 
 

@@ -438,7 +438,11 @@ class LLMEngine:
                         depth = self.adaptive.get(rid)
                         if depth is None:
                             cost = POSITION_COST["engine" if self.ngram is not None else "model"]
-                            depth = self.adaptive[rid] = AdaptiveDepth(self.num_spec_tokens, cost)
+                            sc = self.config.speculative_config
+                            by_confidence = sc.confidence_threshold is not None
+                            depth = self.adaptive[rid] = AdaptiveDepth(
+                                self.num_spec_tokens, cost, by_confidence=by_confidence
+                            )
                         drafts = drafts[: depth.update(n_drafts, accepted, k_step)]
                     if drafts and self.structured.is_constrained(rid):
                         drafts = self._grammar_drafts(request, drafts)

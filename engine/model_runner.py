@@ -479,6 +479,11 @@ class ModelRunner:
             # Draft trees: the nodes' parents travel with their tokens (constrained requests'
             # grammar masks follow each node's path).
             new_drafts = torch.cat([new_drafts, spec.last_parents.to(new_drafts.dtype)], dim=1)
+        confident = n_new > 0 and propose_drafts and spec.last_confidence is not None
+        if confident:
+            # confidence_threshold: each request's count of drafts to verify travels with them.
+            kept = spec.confident_drafts()
+            new_drafts = torch.cat([new_drafts, kept[:, None].to(new_drafts.dtype)], dim=1)
         lp = None
         if st.max_num_logprobs > 0:
             full = widen_columns(logits, k1).reshape(b * k1, -1)
@@ -509,6 +514,6 @@ class ModelRunner:
             [toks[i][: acc[i] + 1] for i in range(b)],
             logprobs,
             num_drafts=[r.num_drafts for r in inp.sampled],
-            draft_token_ids=[row[:n_new] for row in drafts],
+            draft_token_ids=[row[: row[n_new] if confident else n_new] for row in drafts],
             draft_parents=[row[n_new:] for row in drafts] if with_parents else [],
         )

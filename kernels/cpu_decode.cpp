@@ -30,6 +30,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1597,6 +1598,19 @@ at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
+// The softmax probability of row x[0 .. n)'s maximum `top`: 1 / sum(exp(x - top)) (NaN for a
+// row with NaN).
+template <typename T>
+float row_top_probability(const T* x, int64_t n, float top) {
+  const V t = vset(top);
+  V total = vzero();
+  for (int64_t i = 0; i < n; i += LANES) {
+    const Mask k = first(n - i);
+    total = vadd(total, vkeep(vexp(vsub(vld(x + i, k), t)), k));
+  }
+  return 1.f / vhsum(total);
+}
+
 // Greedy Eagle3 draft steps 1 .. steps for one row per request, in one call (the draft loop's
 // per-step Python work gone): step j embeds row b's previous draft (a target id) from the
 // target's embedding (rounded to the head's dtype), runs the midlayer at position
@@ -1604,8 +1618,14 @@ at::Tensor argmax_rows(at::Tensor x) {
 // loop's metadata does), applies the final norm, the LM head over the draft vocabulary and its
 // argmax, and maps the draft id to a target id (id + d2t[id]). hidden [B, H]: step 0's picked
 // midlayer outputs; tokens [B]: step 0's drafts. Returns [B, steps] target ids.
+// Confidence (cum non-empty: each row's product of its drafts' probabilities after step 0):
+// conf [B, steps] gets each step's running product (the head's softmax probability of its
+// argmax times the row's product so far), and the chain stops after a step where every row's
+// product is under min_conf (no later draft would be verified): the steps not run repeat the
+// row's last draft with confidence 0.
 template <typename T, typename E>
-at::Tensor run_eagle3_chain(at::Tensor h, std::vector<int64_t> tok,
+at::Tensor run_eagle3_chain(at::Tensor h, std::vector<int64_t> tok, std::vector<float> cum,
+                               float min_conf, float* conf,
                                const at::Tensor& positions, const at::Tensor& block_tables,
                                const E* embedding, int64_t vocab,
                                const std::vector<at::Tensor>& weights,
@@ -1643,23 +1663,40 @@ at::Tensor run_eagle3_chain(at::Tensor h, std::vector<int64_t> tok,
     h = run_eagle3<T>(embeds, h, all, s, weights, caches[0], caches[1]);
     rms_norm(ptr<T>(h), ptr<T>(final_norm), normed.data(), B, H, static_cast<float>(eps));
     matvec(normed.data(), lm_head, logits.data(), B);
+    bool confident = cum.empty();
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t id = row_argmax(logits.data() + b * V, V, block_max);
+      const T* row = logits.data() + b * V;
+      const int64_t id = row_argmax(row, V, block_max);
       tok[b] = id + d2t[id];
       drafts.data_ptr<int64_t>()[b * steps + j - 1] = tok[b];
+      if (!cum.empty()) {
+        cum[b] *= row_top_probability(row, V, ld(row + id));
+        conf[b * steps + j - 1] = cum[b];
+        confident = confident || cum[b] >= min_conf;  // NaN: not confident
+      }
+    }
+    if (!confident) {
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t i = j; i < steps; ++i) {
+          drafts.data_ptr<int64_t>()[b * steps + i] = tok[b];
+          conf[b * steps + i] = 0.f;
+        }
+      }
+      break;
     }
   }
   return drafts;
 }
 
-at::Tensor eagle3_chain(at::Tensor hidden, at::Tensor tokens, at::Tensor positions,
-                           at::Tensor block_tables, at::Tensor embedding,
-                           std::vector<at::Tensor> weights, at::Tensor k_cache,
-                           at::Tensor v_cache, at::Tensor cos_sin, at::Tensor final_norm,
-                           at::Tensor lm_head, at::Tensor d2t, int64_t steps,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t intermediate_size, double eps,
-                           double scale) {
+// confidence: empty (no confidence), or float32 [B], each row's product of draft probabilities
+// so far; returns (drafts [B, steps], their running products [B, steps] or empty).
+std::tuple<at::Tensor, at::Tensor> eagle3_chain(
+    at::Tensor hidden, at::Tensor tokens, at::Tensor positions, at::Tensor block_tables,
+    at::Tensor embedding, std::vector<at::Tensor> weights, at::Tensor k_cache,
+    at::Tensor v_cache, at::Tensor cos_sin, at::Tensor final_norm, at::Tensor lm_head,
+    at::Tensor d2t, int64_t steps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t intermediate_size, double eps, double scale,
+    at::Tensor confidence, double min_confidence) {
   TORCH_CHECK(weights.size() == 7, "7 weights");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden [B, H] expected");
   const int64_t B = hidden.size(0), H = hidden.size(1), V = d2t.size(0);
@@ -1686,20 +1723,34 @@ at::Tensor eagle3_chain(at::Tensor hidden, at::Tensor tokens, at::Tensor positio
   }
   auto t = tokens.contiguous();
   std::vector<int64_t> tok(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + B);
+  std::vector<float> cum;
+  at::Tensor conf = at::empty({0}, hidden.options().dtype(at::kFloat));
+  if (confidence.numel() > 0) {
+    TORCH_CHECK(confidence.scalar_type() == at::kFloat && confidence.numel() == B,
+                "confidence [B] float32 expected");
+    auto c = confidence.contiguous();
+    cum.assign(c.data_ptr<float>(), c.data_ptr<float>() + B);
+    conf = at::empty({B, steps}, hidden.options().dtype(at::kFloat));
+  }
   const std::vector<at::Tensor> caches{k_cache, v_cache};
   auto run = [&](auto tag, const auto* emb) {
     using T = decltype(tag);
-    return run_eagle3_chain<T>(hidden, tok, positions, block_tables, emb, embedding.size(0),
-                               weights, caches, cos_sin, final_norm, head, map, steps, num_heads,
-                               num_kv_heads, head_dim, block_size, intermediate_size, eps, scale);
+    return run_eagle3_chain<T>(hidden, tok, cum, static_cast<float>(min_confidence),
+                               conf.numel() > 0 ? conf.data_ptr<float>() : nullptr, positions,
+                               block_tables, emb, embedding.size(0), weights, caches, cos_sin,
+                               final_norm, head, map, steps, num_heads, num_kv_heads, head_dim,
+                               block_size, intermediate_size, eps, scale);
   };
   const bool fp32_embedding = embedding.scalar_type() == at::kFloat;
+  at::Tensor drafts;
   if (hidden.scalar_type() == at::kBFloat16) {
-    if (fp32_embedding) return run(uint16_t{}, ptr<float>(embedding));
-    return run(uint16_t{}, ptr<uint16_t>(embedding));
+    drafts = fp32_embedding ? run(uint16_t{}, ptr<float>(embedding))
+                            : run(uint16_t{}, ptr<uint16_t>(embedding));
+  } else {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat, "dtype must be bfloat16 or float32");
+    drafts = run(float{}, ptr<float>(embedding));
   }
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat, "dtype must be bfloat16 or float32");
-  return run(float{}, ptr<float>(embedding));
+  return {drafts, conf};
 }
 
 // exp of each element of a float32 tensor through vexp (the softmax and SiLU exponential), for
@@ -1724,7 +1775,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a weight in the layout linear / llama_stack / eagle3_layer read (CPU)");
   m.def("linear", &linear, "x @ w.T for a few rows, w packed (CPU)");
   m.def("eagle3_layer", &eagle3_layer, "Eagle3 midlayer for small batches (CPU)");
-  m.def("eagle3_chain", &eagle3_chain, "greedy Eagle3 draft steps after the first (CPU)");
+  m.def("eagle3_chain", &eagle3_chain,
+        "greedy Eagle3 draft steps after the first, with their confidence (CPU)");
   m.def("argmax_rows", &argmax_rows, "x.argmax(-1) of a [B, V] tensor (CPU)");
   m.def("isa", []() { return std::string(ISA); }, "the instruction set it was built for");
   m.def("vnni", []() { return TANDEM_VNNI; }, "whether the block products use VNNI dot products");

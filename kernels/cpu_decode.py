@@ -406,14 +406,22 @@ def eagle3_chain(
     shape: tuple[int, int, int, int, int],
     eps: float,
     scale: float,
-) -> torch.Tensor:
+    confidence: torch.Tensor | None = None,
+    min_confidence: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy Eagle3 draft steps 1 .. ``steps`` in one call, one row per request: each step
     embeds the previous draft (``embedding``: the target's, fp32 or the head's dtype), runs the
     midlayer at ``positions + j`` (writing its draft KV; ``block_tables`` [B, blocks] int32),
     the final norm, the LM head (``lm_head`` packed, over the draft vocabulary) and its argmax,
     mapped to target ids through ``d2t``. ``hidden`` [B, H] / ``tokens`` [B]: step 0's output
-    and drafts. Returns [B, steps] target ids."""
-    return _ext_or_raise().eagle3_chain(
+    and drafts. Returns ([B, steps] target ids, None).
+
+    ``confidence`` (float32 [B], each row's product of its drafts' probabilities after step 0):
+    the second result is then [B, steps], each step's running product (times the head's softmax
+    probability of its argmax), and the chain stops after a step where every row's product is
+    under ``min_confidence``: the steps not run repeat the row's last draft with confidence 0."""
+    gauge = torch.empty(0) if confidence is None else confidence.float().contiguous()
+    drafts, conf = _ext_or_raise().eagle3_chain(
         hidden,
         tokens,
         positions,
@@ -429,4 +437,7 @@ def eagle3_chain(
         *shape,
         eps,
         scale,
+        gauge,
+        min_confidence,
     )
+    return drafts, None if confidence is None else conf

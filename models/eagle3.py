@@ -167,10 +167,14 @@ class Eagle3FastPath(FastDraftLayer):
         positions: torch.Tensor,
         block_tables: torch.Tensor,
         steps: int,
-    ) -> torch.Tensor | None:
-        """Greedy draft steps 1 .. ``steps`` in one extension call (``cpu_decode.eagle3_chain``),
-        or None where it does not apply (the LM head or the embedding sharded or not packed,
-        too many rows, a cache in another dtype)."""
+        confidence: torch.Tensor | None = None,
+        min_confidence: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Greedy draft steps 1 .. ``steps`` in one extension call (``cpu_decode.eagle3_chain``:
+        the drafts, and with ``confidence`` their running products of draft probabilities,
+        stopping once every row's is under ``min_confidence``), or None where it does not apply
+        (the LM head or the embedding sharded or not packed, too many rows, a cache in another
+        dtype)."""
         lm_head, embed = draft.lm_head.fast_weight, draft.embed_tokens
         k_cache = self.attention.k_cache
         if (
@@ -200,6 +204,8 @@ class Eagle3FastPath(FastDraftLayer):
             (*self.shape, k_cache.shape[1], self.intermediate),
             self.eps,
             self.scale,
+            confidence,
+            min_confidence,
         )
 
 
@@ -372,7 +378,9 @@ class Eagle3Draft(DraftHead):
         return draft_ids + self.d2t[draft_ids]
 
     @property
-    def greedy_chain(self) -> Callable[..., torch.Tensor | None] | None:
+    def greedy_chain(
+        self,
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None] | None] | None:
         """Greedy draft steps 1 .. n after step 0 in one CPU fast-path call
         (``Eagle3FastPath.chain`` bound to this head), None without the fast path."""
         fast = self.midlayer.fast_path

@@ -330,20 +330,23 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
             "bench", "compare", "--quick", "--model", str(tiny_mtp_model(tmp_path_factory)),
             "--skip-transformers", "--eagle3", "none", "--disable-by-batch-size", "2",
             "--trees", "2:4", "--schedule", SCHEDULE, "--workload", "grounded", "--ngram",
-            "1:2", "--cost-aware", "--result-file", str(result),
+            "1:2", "--cost-aware", "--confidence", "0.001", "--result-file", str(result),
         ]
     )  # fmt: skip
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
     rows = {r["name"]: r for r in json.loads(result.read_text())["rows"]}
     # --schedule: an adaptive row per chain method (n-gram drafts from the grounded prompts),
-    # and with --cost-aware one more per method with a draft forward.
+    # with --cost-aware one more per method with a draft forward, with --confidence one more
+    # per head method.
     assert any("prompts from grounded_prompts.jsonl" in line for line in out)
-    for name in ("mtp (adaptive", "ngram (adaptive", "mtp (adaptive, cost-aware"):
+    names = ("mtp (adaptive", "ngram (adaptive", "mtp (adaptive, cost-aware")
+    for name in (*names, "mtp (adaptive, confidence 0.001"):
         row = rows[f"tandem + {name}, schedule {SCHEDULE})"]
         assert row["batch1"] > 0 and row["concurrency"]["2"] > 0
         assert 1.0 <= row["tokens_per_step"] <= K + 1
     assert f"tandem + ngram (adaptive, cost-aware, schedule {SCHEDULE})" not in rows
+    assert not any("ngram (adaptive, confidence" in name for name in rows)
     # The chain, and a draft tree of depth K (--trees).
     for name in (
         f"tandem + mtp (K={K}, off at 2+)",
@@ -360,6 +363,8 @@ def test_compare_with_speculation_off_under_load(tmp_path_factory, tmp_path, cap
     assert main(["bench", "compare", "--quick", "--ngram", "3"]) == 2
     assert main(["bench", "compare", "--quick", "--schedule", "{"]) == 2
     assert "--trees '2:2'" in capsys.readouterr().err
+    assert main(["bench", "compare", "--quick", "--confidence", "0.2"]) == 2  # no --schedule
+    assert "--confidence needs --schedule" in capsys.readouterr().err
 
 
 def test_compare_rounds_batch1_prompts_and_int8_drafts(

@@ -96,12 +96,19 @@ def test_sampled_requests_keep_their_q_per_step(models: dict[str, Path]) -> None
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("confidence", [None, 2e-4], ids=["schedule", "confidence"])
 def test_attention_dp_ranks_follow_one_schedule(
-    models: dict[str, Path], baseline: list[list[int]]
+    models: dict[str, Path], baseline: list[list[int]], confidence: float | None
 ) -> None:
+    """Under attention DP the ranks run one schedule; with a confidence threshold each rank cuts
+    its own requests' drafts, and no rank's draft loop stops before the others' (their draft
+    layers' collectives need every rank)."""
+    cfg = spec(models, "mtp")
+    if confidence is not None:
+        cfg |= {"adaptive": True, "confidence_threshold": confidence}
     with LLM(
         str(models["target"]),
-        speculative_config=spec(models, "mtp"),
+        speculative_config=cfg,
         tensor_parallel_size=2,
         enable_attention_dp=True,
     ) as llm:
@@ -198,14 +205,18 @@ def test_adaptive_drafts_less_where_drafts_fail(
     assert counts[True] < counts[False] / 2, counts
 
 
-def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path) -> None:
-    """A perfect draft (the target's own next token) is always accepted: K + 1 a step."""
+@pytest.mark.parametrize("confidence", [None, 0.5])
+def test_adaptive_keeps_a_good_draft_deep(tmp_path: Path, confidence: float | None) -> None:
+    """A perfect draft (the target's own next token) is always accepted: K + 1 a step; a head
+    that sure of itself keeps every draft under a confidence threshold too."""
     from checkpoints import zero_residual_writes
 
     target = build_llama(tmp_path / "p", layers=2, seed=3)
     zero_residual_writes(target)
     add_mtp_layers(target, 1, perfect=True)
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True}
+    if confidence is not None:
+        spec["confidence_threshold"] = confidence
     params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
     with LLM(str(target), speculative_config=spec) as llm:
         (out,) = llm.generate([[5, 6, 7]], params)
@@ -424,6 +435,14 @@ def test_cost_aware_keeps_greedy_output_and_pauses_where_plain_measured_faster(
             {"method": "ngram", "adaptive": True, "cost_aware": True},
             "cost_aware applies to eagle3, mtp and draft_model",
         ),
+        ({"confidence_threshold": 0.3}, "confidence_threshold needs adaptive: true"),
+        ({"adaptive": True, "confidence_threshold": 1.0}, "confidence_threshold=1.0 is invalid"),
+        ({"adaptive": True, "confidence_threshold": True}, "confidence_threshold=True is invalid"),
+        ({"adaptive": True, "confidence_threshold": "0.3"}, "confidence_threshold='0.3' is inv"),
+        (
+            {"method": "ngram", "adaptive": True, "confidence_threshold": 0.3},
+            "confidence_threshold applies to eagle3 and mtp",
+        ),
     ],
 )
 def test_bad_adaptive_settings_are_refused(extra: dict, message: str) -> None:
@@ -460,3 +479,123 @@ def test_graph_keys_carry_the_scheduled_k(
     assert tokens == want
     assert graphs is not None and {key.draft_len for key in graphs.graphs} == {1, 3, 4}
     assert {1, 4} <= set(replayed), replayed  # batches of 3 (K 1), then of 1 (K 4)
+
+
+def _watch_confidence(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Each draft loop's record: the head's softmax probability of its argmax at each position
+    it drafted (float64, from the logits it drafted from), its drafts, the running products it
+    kept (``last_confidence``) and the drafts the runner then keeps per request."""
+    from tandem.engine.speculative import decoder
+
+    loops: list[dict[str, Any]] = []
+    draft_token, draft_loop = decoder.SpecDecoder._draft_token, decoder.SpecDecoder.draft_loop
+    kept = decoder.SpecDecoder.confident_drafts
+
+    def token(self: Any, logits: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        loops[-1]["top"].append(logits.double().softmax(-1).amax(-1).tolist())
+        return draft_token(self, logits, *args, **kw)
+
+    def loop(self: Any, *args: Any, **kw: Any) -> Any:
+        loops.append({"top": []})
+        drafts, q = draft_loop(self, *args, **kw)
+        conf = self.last_confidence
+        loops[-1] |= {"drafts": drafts.tolist(), "conf": None if conf is None else conf.tolist()}
+        return drafts, q
+
+    def confident(self: Any) -> torch.Tensor:
+        out = kept(self)
+        loops[-1]["kept"] = out.tolist()
+        return out
+
+    monkeypatch.setattr(decoder.SpecDecoder, "_draft_token", token)
+    monkeypatch.setattr(decoder.SpecDecoder, "draft_loop", loop)
+    monkeypatch.setattr(decoder.SpecDecoder, "confident_drafts", confident)
+    return loops
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_confidence_keeps_the_drafts_the_head_is_sure_of(
+    models: dict[str, Path], baseline: list[list[int]], method: str, monkeypatch
+) -> None:
+    """``confidence_threshold`` (step-by-step loop): each draft's running product is the product
+    of the head's softmax probabilities of its argmax (computed here in float64 from the logits
+    it drafted from), a request keeps the drafts whose product reaches the threshold, the loop
+    stops once no request's does (never before), and greedy output is unchanged."""
+    thr = 2e-4  # a random head: about 0.015 at the first draft, 2e-4 at the second, 3e-6 next
+    cfg = {**spec(models, method), "num_speculative_tokens": 4, "adaptive": True}
+    loops = _watch_confidence(monkeypatch)
+    with LLM(str(models["target"]), speculative_config={**cfg, "confidence_threshold": thr}) as llm:
+        llm.engine.executor.worker.runner.spec.fast_chain = False
+        tokens, _ = run(llm)
+        verified = llm.engine.spec_stats.num_draft_tokens
+    assert tokens == baseline
+    kept_seen = set()
+    for rec in loops:
+        if rec["conf"] is None:  # a loop of the schedule's K = 0 steps: none
+            continue
+        run_steps, k = len(rec["top"]), len(rec["drafts"][0])
+        assert 1 <= run_steps <= k
+        for b, conf in enumerate(rec["conf"]):
+            want, product = [], 1.0
+            for j in range(run_steps):
+                product *= rec["top"][j][b]
+                want.append(product)
+            assert conf[:run_steps] == pytest.approx(want, rel=1e-5), (conf, want)
+            assert conf[run_steps:] == [0.0] * (k - run_steps)  # the steps not run
+            lead = next((j for j, c in enumerate(conf) if not c >= thr), k)
+            assert rec["kept"][b] == lead
+            kept_seen.add(lead)
+        # It went on while some request's product reached the threshold, and stopped once none
+        # did.
+        for j in range(run_steps - 1):
+            assert any(c[j] >= thr for c in rec["conf"]), rec
+        if run_steps < k:
+            assert not any(c[run_steps - 1] >= thr for c in rec["conf"]), rec
+    assert len(kept_seen) >= 2, kept_seen  # cuts at more than one depth
+    # The engine verifies at most the kept drafts (K = 4 of each would be far more).
+    assert 0 < verified <= sum(sum(r["kept"]) for r in loops if "kept" in r)
+
+
+@pytest.mark.parametrize(
+    ("head_dtype", "target_dtype"), [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")]
+)
+def test_confidence_of_the_fast_chain_equals_the_loops(
+    models: dict[str, Path],
+    tmp_path: Path,
+    head_dtype: torch.dtype,
+    target_dtype: str,
+    monkeypatch,
+) -> None:
+    """The CPU fast path's Eagle3 chain (``cpu_decode.eagle3_chain``) computes the same running
+    products and stops where the step-by-step loop does: same drafts, products and kept counts
+    after every step, and the same output."""
+    from tandem.kernels import cpu_decode
+
+    if cpu_decode.unavailable_reason() is not None:
+        pytest.skip(f"no CPU fast path: {cpu_decode.unavailable_reason()}")
+    head = build_eagle3_draft(tmp_path / "h", models["target"], draft_vocab=160, dtype=head_dtype)
+    cfg = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "adaptive": True}
+    cfg["confidence_threshold"] = 0.005
+    calls: list[int] = []
+    chain = cpu_decode.eagle3_chain
+    monkeypatch.setattr(cpu_decode, "eagle3_chain", lambda *a: calls.append(1) or chain(*a))
+    loops = _watch_confidence(monkeypatch)
+    runs = []
+    for fast in (True, False):
+        loops.clear()
+        with LLM(str(models["target"]), dtype=target_dtype, speculative_config=cfg) as llm:
+            llm.engine.executor.worker.runner.spec.fast_chain = fast
+            tokens, _ = run(llm)
+        runs.append((tokens, [(r["drafts"], r["conf"], r.get("kept")) for r in loops]))
+        assert bool(calls) == fast
+        calls.clear()
+    (fast_tokens, fast_loops), (loop_tokens, slow_loops) = runs
+    assert fast_tokens == loop_tokens
+    assert len(fast_loops) == len(slow_loops)
+    stops = 0
+    for (d1, c1, k1), (d2, c2, k2) in zip(fast_loops, slow_loops, strict=True):
+        assert d1 == d2 and k1 == k2
+        if c1 is not None:
+            assert torch.tensor(c1) == pytest.approx(torch.tensor(c2), rel=1e-3, abs=1e-7)
+            stops += any(row[-1] == 0.0 for row in c1)
+    assert stops > 0  # some chains stopped early

@@ -25,6 +25,12 @@ well but misjudges a whole step's yield when acceptance comes in runs (the shipp
 an estimate of 0.3-0.4 a position, 1.84 tokens a step). So where speculation does not pay (a
 compute-bound step, drafts that miss) it costs only the probes.
 
+With ``"confidence_threshold": c`` (EAGLE-2's idea on a chain) the draft loop also keeps each
+draft's running product of the head's own probabilities, and a request verifies only the drafts
+whose product is at least c: a sure head drafts deep, an unsure one verifies few rows (on a CPU
+the loop stops once no request's product reaches c). The rate rule above then only pauses a
+request whose drafts stopped paying; the loop runs up to K.
+
 The engine also shortens the step's draft loop to the deepest draft any of its requests may
 verify (any length on CPUs; where graphs run, rounded up to a K they were captured for), so
 drafts nobody verifies are not drawn. The rule only chooses how many drafts are drawn and verified: what is emitted is decided
@@ -61,6 +67,9 @@ class AdaptiveDepth:
     depth: int
     cost: float = POSITION_COST["model"]
     max_depth: int = 0  # the configured K (0: ``depth`` at creation)
+    # confidence_threshold: the head's confidence cuts each step's drafts, so the request
+    # drafts up to K whenever it does not pause.
+    by_confidence: bool = False
     accepted: float = PRIOR_RATE * PRIOR_WEIGHT
     reached: float = PRIOR_WEIGHT
     paused: int = 0
@@ -86,6 +95,8 @@ class AdaptiveDepth:
             self.reached = DECAY * self.reached + reached
             if self.rate < self.cost:  # not even the first position pays
                 self.paused, self.depth = PAUSE_STEPS, 0
+            elif self.by_confidence:
+                self.depth = self.max_depth
             else:
                 self.depth = best_depth(self.rate, self.cost, self.max_depth)
         return min(self.depth, k)

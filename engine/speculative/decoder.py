@@ -104,6 +104,12 @@ class SpecDecoder:
         # Greedy Eagle3 draft steps after the first as one CPU fast-path call where it applies
         # (the same drafts as the step-by-step loop; tests turn it off to compare).
         self.fast_chain = True
+        # "confidence_threshold" (adaptive chains): the draft loop keeps each draft's running
+        # product of the head's probabilities in ``last_confidence`` ([B, steps]; None where it
+        # was not computed), and the runner verifies only the drafts whose product is at least
+        # the threshold (``confident_drafts``).
+        self.confidence_threshold: float | None = getattr(config, "confidence_threshold", None)
+        self.last_confidence: Tensor | None = None
         # Paused steps' draft KV, written later in one call (``stash_step_kv``).
         self.deferred: list[DeferredRows] = []
         self.deferred_rows = 0
@@ -315,6 +321,13 @@ class SpecDecoder:
         self.keep_q(request_ids, q_all)
         return new_drafts
 
+    def confident_drafts(self) -> Tensor:
+        """[B] per request, how many of the last draft loop's drafts to verify: those whose
+        running product of draft probabilities is at least ``confidence_threshold`` (a product
+        never grows, so they lead the chain; NaN counts as under)."""
+        assert self.last_confidence is not None and self.confidence_threshold is not None
+        return (self.last_confidence >= self.confidence_threshold).sum(dim=1)
+
     def keep_q(self, request_ids: list[str], q_all: Tensor | None) -> None:
         """Store each request's draft probabilities [K, V] (advanced drafting), or drop stale
         ones (argmax drafting stores none)."""
@@ -386,6 +399,17 @@ class SpecDecoder:
         advanced = meta.wants_advanced_draft_sampling
         drafts: list[Tensor] = []
         qs: list[Tensor] = []
+        # Running products of the drafts' probabilities (confidence_threshold): the head's
+        # softmax probability of its argmax (greedy) or q of the sampled draft. Not computed for
+        # the sharded argmax of ADP + LM-head TP (every draft then stays).
+        thr = self.confidence_threshold
+        gauge = thr is not None and not (self.lm_head_tp and not advanced) and not self.vanilla
+        confs: list[Tensor] = []
+        # On a CPU the loop stops once no request's product reaches the threshold (a host read
+        # is free there); on a GPU it runs every step (no sync in the loop), and under attention
+        # DP too (each rank's rows differ, and its draft layers' collectives need every rank).
+        stop_early = gauge and not advanced and draft_hidden.device.type == "cpu"
+        stop_early = stop_early and not self.mapping.uses_adp_collectives
         # Bias and penalties (eager steps only): draft j is drawn as the target would draw it
         # after this step's emitted tokens and drafts 0 .. j - 1 (the output if they are
         # accepted), and q is that distribution.
@@ -420,6 +444,22 @@ class SpecDecoder:
                 counts = count_tokens(counts, token[:, None])
             if q is not None:
                 qs.append(q)
+            if gauge:
+                if q is not None:
+                    p = q.gather(1, token[:, None].long())[:, 0]
+                else:
+                    p = torch.softmax(logits, dim=-1).amax(dim=-1)
+                confs.append(p if not confs else confs[-1] * p)
+
+        def unsure() -> bool:
+            """Every request's running product is under the threshold (CPU loops only)."""
+            return stop_early and bool((confs[-1] < thr).all())
+
+        def fill(n: int) -> None:
+            """The ``n`` draft steps not run: the last draft again, confidence 0."""
+            for _ in range(n):
+                drafts.append(drafts[-1])
+                confs.append(torch.zeros_like(confs[-1]))
 
         if self.vanilla:
             self._propose_vanilla(
@@ -449,18 +489,27 @@ class SpecDecoder:
             if fast and k > 1 and not advanced and not self.lm_head_tp:
                 chain = getattr(draft, "greedy_chain", None)
             rest = None
-            if chain is not None and target_meta.all_rank_num_picked is None:
+            if k > 1 and unsure():
+                fill(k - 1)
+            elif chain is not None and target_meta.all_rank_num_picked is None:
                 # Steps 1 .. k - 1 in one CPU fast-path call (None: it does not apply).
-                rest = chain(hidden, drafts[-1], pos, layout.block_tables, k - 1)
+                gauged = (confs[-1], thr) if gauge else (None, 0.0)
+                rest = chain(hidden, drafts[-1], pos, layout.block_tables, k - 1, *gauged)
             if rest is not None:
-                drafts.extend(rest.unbind(1))
-            for _ in range(1, k if rest is None else 1):
+                drafts.extend(rest[0].unbind(1))
+                if rest[1] is not None:
+                    confs.extend(rest[1].unbind(1))
+            for i in range(1, k if rest is None and len(drafts) < k else 1):
                 pos = pos + 1
                 row_meta = self._single_row_meta(layout, pos, target_meta.all_rank_num_picked)
                 hidden = draft(0, pos, drafts[-1], hidden, row_meta)
                 emit(0, hidden)
+                if i < k - 1 and unsure():
+                    fill(k - 1 - i)
+                    break
         new_drafts = torch.stack(drafts, dim=1)
         q_all = torch.stack(qs, dim=1) if advanced else None  # [B, K, V]
+        self.last_confidence = torch.stack(confs, dim=1) if gauge else None
         return new_drafts, q_all
 
     def _propose_vanilla(
