@@ -1,4 +1,5 @@
-"""Mixture-of-experts kernels: DeepSeek-V3 grouped top-k routing and grouped expert compute.
+"""Mixture-of-experts kernels: DeepSeek-V3 grouped top-k routing, softmax top-k routing
+(Qwen3-MoE; ``softmax_topk``, PyTorch on every device) and grouped expert compute.
 
 Routing (``grouped_topk``), per token: ``s = sigmoid(logits)``; ``c = s + bias`` (the score
 correction bias only chooses, it never weighs); the experts are split into ``n_group`` groups,
@@ -40,6 +41,7 @@ __all__ = [
     "grouped_topk_reference",
     "moe_experts",
     "moe_experts_reference",
+    "softmax_topk",
 ]
 
 
@@ -135,6 +137,20 @@ def moe_experts_fp8_reference(
 # --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
+
+
+def softmax_topk(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """Qwen3-MoE / Mixtral routing: logits [T, E] → (weights [T, top_k] fp32, ids [T, top_k]
+    int64): the ``top_k`` largest of ``softmax(logits)`` in float32, divided by their sum when
+    ``norm_topk_prob``. Plain PyTorch on every device (tensor work only: capture-safe), ties
+    broken as ``torch.topk`` breaks them."""
+    num_experts = logits.shape[-1]
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def _use_triton(use_triton: bool | None, like: Tensor) -> bool:
