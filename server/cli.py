@@ -106,10 +106,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--served-model-name", nargs="+", default=None, help="name(s) clients use for the model"
     )
     http.add_argument("--chat-template", default=None, help="Jinja chat template file")
+    from tandem.server.tool_formats import FORMATS
+
     http.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=["hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder"],
+        choices=list(FORMATS),
         help="how tool calls are read from the output (default: the chat template's format)",
     )
     from tandem.server.reasoning import CHOICES as REASONING_PARSERS

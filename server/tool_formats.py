@@ -10,10 +10,15 @@ deepseek_v3    DeepSeek-V3, R1     ``<｜tool▁call▁begin｜>function<｜tool
 deepseek_v31   DeepSeek-V3.1       ``<｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``
 glm45          GLM-4.5, 4.6        ``<tool_call>N\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>``
 qwen3_coder    Qwen3-Coder         ``<tool_call>\\n<function=N>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>``
+kimi_k2        Kimi-K2             ``<|tool_call_begin|>functions.N:I<|tool_call_argument_begin|>{...}<|tool_call_end|>``
 =============  ==================  ==========================================================
 
 DeepSeek's calls sit in one ``<｜tool▁calls▁begin｜>`` … ``<｜tool▁calls▁end｜>`` block (V3 puts a
-newline between them, V3.1 nothing). GLM and Qwen3-Coder write each argument on its own: a string
+newline between them, V3.1 nothing), Kimi-K2's in one ``<|tool_calls_section_begin|>`` …
+``<|tool_calls_section_end|>`` section, each named by its id ``functions.NAME:INDEX`` (I: the
+call's index in the message), which is also the call's ``id`` (Kimi's template writes tool
+results under ``## Return of ID``, so the model reads back the id it wrote). GLM and
+Qwen3-Coder write each argument on its own: a string
 parameter's value is its raw text, any other value is JSON.
 """
 
@@ -24,7 +29,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMATS = ("hermes", "llama3_json", "deepseek_v3", "deepseek_v31", "glm45", "qwen3_coder")
+FORMATS = (
+    "hermes",
+    "llama3_json",
+    "deepseek_v3",
+    "deepseek_v31",
+    "glm45",
+    "qwen3_coder",
+    "kimi_k2",
+)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -36,6 +49,10 @@ GLM_KEY, GLM_KEY_END = "<arg_key>", "</arg_key>"
 GLM_VALUE, GLM_VALUE_END = "<arg_value>", "</arg_value>"
 QWEN_FUNCTION, QWEN_FUNCTION_END = "<function=", "</function>"
 QWEN_PARAM, QWEN_PARAM_END = "<parameter=", "</parameter>"
+KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGS = "<|tool_call_argument_begin|>"
+KIMI_ID_PREFIX = "functions."
 # The marker strings each format writes (a tokenizer may hold them as special tokens).
 MARKERS: dict[str, tuple[str, ...]] = {
     "hermes": (HERMES_OPEN, HERMES_CLOSE),
@@ -44,6 +61,7 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "deepseek_v31": (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP),
     "glm45": (HERMES_OPEN, HERMES_CLOSE, GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END),
     "qwen3_coder": (HERMES_OPEN, HERMES_CLOSE, QWEN_FUNCTION_END, QWEN_PARAM_END),
+    "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_ARGS),
 }
 
 
@@ -155,6 +173,12 @@ def write_calls(calls: list[tuple[str, Any]], call_format: str) -> str:
     if call_format == "deepseek_v31":
         body = "".join(f"{DS_CALL_BEGIN}{n}{DS_SEP}{_json(a)}{DS_CALL_END}" for n, a in calls)
         return f"{DS_CALLS_BEGIN}{body}{DS_CALLS_END}"
+    if call_format == "kimi_k2":
+        body = "".join(
+            f"{KIMI_CALL_BEGIN}{kimi_id(n, i)}{KIMI_ARGS}{_json(a)}{KIMI_CALL_END}"
+            for i, (n, a) in enumerate(calls)
+        )
+        return f"{KIMI_CALLS_BEGIN}{body}{KIMI_CALLS_END}"
     if call_format == "glm45":
         return "\n".join(
             f"{HERMES_OPEN}{n}\n"
@@ -179,6 +203,11 @@ def write_calls(calls: list[tuple[str, Any]], call_format: str) -> str:
         f"{HERMES_CLOSE}"
         for n, a in calls
     )
+
+
+def kimi_id(name: str, index: int) -> str:
+    """Kimi-K2's id of the message's ``index``-th call, to ``name``."""
+    return f"{KIMI_ID_PREFIX}{name}:{index}"
 
 
 def _json(arguments: Any) -> str:

@@ -31,6 +31,12 @@ from tandem.server.tool_formats import (
     GLM_VALUE_END,
     HERMES_CLOSE,
     HERMES_OPEN,
+    KIMI_ARGS,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    KIMI_CALLS_BEGIN,
+    KIMI_CALLS_END,
+    KIMI_ID_PREFIX,
     QWEN_FUNCTION,
     QWEN_FUNCTION_END,
     QWEN_PARAM,
@@ -56,11 +62,13 @@ _CALL = {
         f"{QWEN_FUNCTION_END}\n{HERMES_CLOSE}",
         "\n",
     ),
+    "kimi_k2": (KIMI_CALL_BEGIN, KIMI_CALL_END, ""),
 }
 # ... and around all the calls of a message.
 _MESSAGE = {
     "deepseek_v3": (DS_CALLS_BEGIN, DS_CALLS_END),
     "deepseek_v31": (DS_CALLS_BEGIN, DS_CALLS_END),
+    "kimi_k2": (KIMI_CALLS_BEGIN, KIMI_CALLS_END),
 }
 
 
@@ -114,6 +122,9 @@ def _function_rules(
         return [f"f{k}: {lit(name + DS_FENCE_OPEN)} {_json(params)}"]
     if call_format == "deepseek_v31":
         return [f"f{k}: {lit(name + DS_SEP)} {_json(params)}"]
+    if call_format == "kimi_k2":  # the id functions.NAME:I, I a call index
+        ident = f"{lit(KIMI_ID_PREFIX + name + ':')} /[0-9]{{1,3}}/"
+        return [f"f{k}: {ident} {lit(KIMI_ARGS)} {_json(params)}"]
     glm = call_format == "glm45"  # else Qwen3-Coder
     rules, parts, newline = [], [], lit("\n")
     for j, (key, schema, required) in enumerate(_parameters(call_format, index, params)):

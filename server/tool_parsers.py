@@ -10,6 +10,7 @@ wrote. A block of several calls (DeepSeek's) is taken whole or stays content who
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -23,6 +24,12 @@ from tandem.server.tool_formats import (
     GLM_KEY,
     HERMES_CLOSE,
     HERMES_OPEN,
+    KIMI_ARGS,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    KIMI_CALLS_BEGIN,
+    KIMI_CALLS_END,
+    KIMI_ID_PREFIX,
     PYTHON_TAG,
     QWEN_FUNCTION,
     QWEN_PARAM,
@@ -169,24 +176,25 @@ def _split_top_level(text: str, sep: str) -> list[str]:
 
 class _DeepSeekParser(ToolParser):
     """One ``<｜tool▁calls▁begin｜>`` block of ``<｜tool▁call▁begin｜>…<｜tool▁call▁end｜>``
-    calls (whitespace between them); a block the text ends in without its closing marker
-    counts when it holds only complete calls."""
+    calls (whitespace between them; Kimi-K2's section likewise, with its markers); a block the
+    text ends in without its closing marker counts when it holds only complete calls."""
 
     open_tag, close_tag = DS_CALLS_BEGIN, DS_CALLS_END
+    call_begin, call_end = DS_CALL_BEGIN, DS_CALL_END
     close_at_end = True
 
     def block_calls(self, body: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []
         pos = 0
         while (start := _skip_space(body, pos)) < len(body):
-            end = body.find(DS_CALL_END, start)
-            if not body.startswith(DS_CALL_BEGIN, start) or end < 0:
+            end = body.find(self.call_end, start)
+            if not body.startswith(self.call_begin, start) or end < 0:
                 return None
-            call = self._call(body[start + len(DS_CALL_BEGIN) : end])
+            call = self._call(body[start + len(self.call_begin) : end])
             if call is None:
                 return None
             calls += call
-            pos = end + len(DS_CALL_END)
+            pos = end + len(self.call_end)
         return calls or None
 
     def _call(self, inner: str) -> list[ToolCall] | None:
@@ -215,6 +223,25 @@ class DeepSeekV31Parser(_DeepSeekParser):
     def _call(self, inner: str) -> list[ToolCall] | None:
         name, sep, args = inner.partition(DS_SEP)
         return _call(name.strip(), _arguments(args), self.names) if sep else None
+
+
+_KIMI_ID = re.compile(rf"\s*{re.escape(KIMI_ID_PREFIX)}([^\s:]+):(\d+)\s*")
+
+
+class KimiK2Parser(_DeepSeekParser):
+    """``<|tool_calls_section_begin|>`` of ``<|tool_call_begin|>functions.NAME:I
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>`` calls; each call's id is the one the
+    model wrote (``functions.NAME:I``: Kimi's template names tool results by it)."""
+
+    name = "kimi_k2"
+    open_tag, close_tag = KIMI_CALLS_BEGIN, KIMI_CALLS_END
+    call_begin, call_end = KIMI_CALL_BEGIN, KIMI_CALL_END
+
+    def _call(self, inner: str) -> list[ToolCall] | None:
+        ident, sep, args = inner.partition(KIMI_ARGS)
+        m = _KIMI_ID.fullmatch(ident)
+        call = _call(m.group(1), _arguments(args), self.names) if sep and m else None
+        return None if call is None else [dataclasses.replace(call[0], id=ident.strip())]
 
 
 _GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -282,16 +309,20 @@ PARSERS: dict[str, type[ToolParser]] = {
         DeepSeekV31Parser,
         Glm45Parser,
         Qwen3CoderParser,
+        KimiK2Parser,
     )
 }
 
 
 def parser_name_for_template(template: str | None) -> str | None:
     """The format a chat template writes calls in, told by its markers; None when it shows none
-    of the known formats. DeepSeek's ``<｜tool▁sep｜>`` comes before the name in V3 (with a
-    fenced JSON block) and after it in V3.1; GLM-4.5's ``<arg_key>`` and Qwen3-Coder's
-    ``<function=`` sit inside ``<tool_call>``, so they are looked for before Hermes'."""
+    of the known formats. Kimi-K2's is told by its ``<|tool_calls_section_begin|>``.
+    DeepSeek's ``<｜tool▁sep｜>`` comes before the name in V3 (with a fenced JSON block) and
+    after it in V3.1; GLM-4.5's ``<arg_key>`` and Qwen3-Coder's ``<function=`` sit inside
+    ``<tool_call>``, so they are looked for before Hermes'."""
     t = template or ""
+    if KIMI_CALLS_BEGIN in t:
+        return "kimi_k2"
     if DS_SEP in t:
         return "deepseek_v3" if "```json" in t else "deepseek_v31"
     if GLM_KEY in t:

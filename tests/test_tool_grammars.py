@@ -94,6 +94,13 @@ def write(fmt: str, calls: list[tuple[str, dict]]) -> str:
         return f"{b}{body}{e}"
     if fmt == "deepseek_v31":
         return b + "".join(f"{cb}{n}{sep}{_json(a)}{ce}" for n, a in calls) + e
+    if fmt == "kimi_k2":
+        body = "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{_json(a)}"
+            "<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)
+        )
+        return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
     props = {f["name"]: f["parameters"]["properties"] for f in FUNCS}
     if fmt == "glm45":
         return "\n".join(

@@ -87,6 +87,20 @@ def _v31(name: str, args: dict | str) -> str:
     return f"{DS['call']}{name}{DS['sep']}{text}{DS['/call']}"
 
 
+KIMI = {
+    "calls": "<|tool_calls_section_begin|>",
+    "end": "<|tool_calls_section_end|>",
+    "call": "<|tool_call_begin|>",
+    "args": "<|tool_call_argument_begin|>",
+    "/call": "<|tool_call_end|>",
+}
+
+
+def _kimi(ident: str, args: dict | str) -> str:
+    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return f"{KIMI['call']}{ident}{KIMI['args']}{text}{KIMI['/call']}"
+
+
 def _glm(name: str, *pairs: tuple[str, str], newlines: bool = True) -> str:
     nl = "\n" if newlines else ""
     args = "".join(f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}" for k, v in pairs)
@@ -227,6 +241,61 @@ CORPUS = [
         "deepseek_v31",
         DS["calls"] + _v31("add", '{"a": 1') + DS["end"],
         DS["calls"] + _v31("add", '{"a": 1') + DS["end"],
+        [],
+    ),
+    # Kimi-K2: a section of calls named functions.NAME:INDEX, bare JSON arguments.
+    ("kimi_k2", "No call here: functions.add:0", "No call here: functions.add:0", []),
+    (
+        "kimi_k2",
+        "Sure.\n"
+        + KIMI["calls"]
+        + _kimi("functions.get_weather:0", {"city": "北京", "unit": "celsius"})
+        + _kimi("functions.add:1", {"a": 2, "b": 3.5})
+        + KIMI["end"]
+        + " Done.",
+        "Sure.\nDone.",
+        [("get_weather", {"city": "北京", "unit": "celsius"}), ("add", {"a": 2, "b": 3.5})],
+    ),
+    (  # whitespace between the calls, nested JSON
+        "kimi_k2",
+        KIMI["calls"] + " " + _kimi(" functions.run_query:0 ", QUERY) + "\n" + KIMI["end"],
+        "",
+        [("run_query", QUERY)],
+    ),
+    (  # a function not offered: the whole section stays content
+        "kimi_k2",
+        KIMI["calls"]
+        + _kimi("functions.add:0", {"a": 1})
+        + _kimi("functions.nope:1", {})
+        + KIMI["end"],
+        KIMI["calls"]
+        + _kimi("functions.add:0", {"a": 1})
+        + _kimi("functions.nope:1", {})
+        + KIMI["end"],
+        [],
+    ),
+    (  # an id without its index, or without the functions. prefix
+        "kimi_k2",
+        KIMI["calls"] + _kimi("functions.add", {"a": 1}) + KIMI["end"],
+        KIMI["calls"] + _kimi("functions.add", {"a": 1}) + KIMI["end"],
+        [],
+    ),
+    (
+        "kimi_k2",
+        KIMI["calls"] + _kimi("add:0", {"a": 1}) + KIMI["end"],
+        KIMI["calls"] + _kimi("add:0", {"a": 1}) + KIMI["end"],
+        [],
+    ),
+    (  # the text ends in the section, its calls complete
+        "kimi_k2",
+        "Ok " + KIMI["calls"] + _kimi("functions.add:0", '{"a": 1}'),
+        "Ok",
+        [("add", {"a": 1})],
+    ),
+    (
+        "kimi_k2",
+        KIMI["calls"] + _kimi("functions.add:0", '{"a": 1'),
+        KIMI["calls"] + _kimi("functions.add:0", '{"a": 1'),
         [],
     ),
     # GLM-4.5/4.6: name, then key/value pairs; values typed from the schema.
@@ -467,7 +536,9 @@ def test_earlier_calls_are_written_in_each_format_and_read_back(fmt: str) -> Non
 #   qwen3_coder.jinja          Qwen/Qwen3-Coder-30B-A3B-Instruct
 #   qwen3.jinja                Qwen/Qwen3-8B
 #   llama32_excerpt.jinja      meta-llama/Llama-3.2-1B-Instruct (system block and tool calls)
+#   kimi_k2.jinja              moonshotai/Kimi-K2-Instruct
 TEMPLATE_FORMATS = {
+    "kimi_k2.jinja": "kimi_k2",
     "deepseek_r1.jinja": "deepseek_v3",
     "deepseek_v31.jinja": "deepseek_v31",
     "glm45_excerpt.jinja": "glm45",
@@ -502,6 +573,9 @@ def test_the_format_is_told_from_the_real_template(file: str, fmt: str) -> None:
         {"type": "function", "function": {"name": n, "arguments": json.dumps(a) if as_text else a}}
         for n, a in calls
     ]
+    if fmt == "kimi_k2":  # Kimi's template writes each call under its id
+        for i, call in enumerate(tool_calls):
+            call["id"] = f"functions.{call['function']['name']}:{i}"
     messages = [
         {"role": "user", "content": "Weather in Zürich, and 1 + [2, 3]?"},
         {"role": "assistant", "content": None if as_text else "", "tool_calls": tool_calls},
@@ -510,7 +584,10 @@ def test_the_format_is_told_from_the_real_template(file: str, fmt: str) -> None:
     text = ChatRenderer(template, tokens).render(messages, False)
     if fmt == "llama3_json":  # the whole message: the assistant's turn alone
         text = text.split("assistant<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
-    assert _calls(make_parser(fmt, NAMES, SCHEMAS).parse(text).tool_calls) == calls
+    parsed = make_parser(fmt, NAMES, SCHEMAS).parse(text).tool_calls
+    assert _calls(parsed) == calls
+    if fmt == "kimi_k2":  # the ids the model wrote, as the template will name the results
+        assert [c.id for c in parsed] == [c["id"] for c in tool_calls]
 
 
 def test_the_call_format_follows_the_template_or_the_flag() -> None:
