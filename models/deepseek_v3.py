@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from tandem.models.draft import DraftHead
-from tandem.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from tandem.models.layers import RMSNorm, VocabParallelEmbedding
 from tandem.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tandem.models.mla import LatentPagedAttention, MLAAttention
 from tandem.models.moe import DeepseekV3MoE, RoutedExperts
@@ -178,16 +178,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """Causal LM over the paged latent cache; the Llama family's interface, forward and logits,
     with DeepSeek-V3 blocks and weight loading."""
 
-    def __init__(self, config: Any, mapping: ParallelMapping | None = None) -> None:
-        nn.Module.__init__(self)
-        mapping = mapping or ParallelMapping()
-        self.config = config
-        self.mapping = mapping
-        self.model = DeepseekV3Model(config, mapping)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def build_model(self, config: Any, mapping: ParallelMapping) -> nn.Module:
+        return DeepseekV3Model(config, mapping)
 
     def attention_layers(self) -> list[LatentPagedAttention]:  # type: ignore[override]
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -36,7 +36,6 @@ from tandem.models.deepseek_v3 import (
     load_deepseek_weights,
 )
 from tandem.models.draft import DraftHead
-from tandem.models.layers import ParallelLMHead
 from tandem.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -130,17 +129,8 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     """Causal LM over the paged cache; the Llama family's interface, forward and logits, with
     GLM blocks and DeepSeek-V3-style MoE weight loading."""
 
-    def __init__(self, config: Any, mapping: ParallelMapping | None = None) -> None:
-        nn.Module.__init__(self)
-        mapping = mapping or ParallelMapping()
-        self.config = config
-        self.mapping = mapping
-        self.model = Glm4MoeModel(config, mapping)
-        # Replicated under attention DP (each rank computes its own requests' logits).
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def build_model(self, config: Any, mapping: ParallelMapping) -> nn.Module:
+        return Glm4MoeModel(config, mapping)
 
     def build_mtp_draft(self, config: Any, mapping: ParallelMapping, num_layers: int) -> DraftHead:
         """The MTP draft for this target (``models.loader.load_draft`` asks for it)."""

@@ -395,13 +395,18 @@ class LlamaForCausalLM(nn.Module):
         mapping = mapping or ParallelMapping()
         self.config = config
         self.mapping = mapping
-        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, mapping, qkv_bias, self.qk_norm)
+        self.model = self.build_model(config, mapping)
         # Replicated under attention DP (each rank computes its own requests' logits).
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_model(self, config: Any, mapping: ParallelMapping) -> nn.Module:
+        """The decoder stack (embedding, blocks, final norm); a family with other blocks
+        (DeepSeek-V3, GLM-4.5, Qwen3-MoE) overrides it, keeping the LM head and the rest."""
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        return LlamaModel(config, mapping, qkv_bias, self.qk_norm)
 
     def forward(
         self,

@@ -178,13 +178,23 @@ class PartialMLP(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, config: Any, mapping: ParallelMapping) -> None:
+    """Routed experts split whole over the TP group, shared experts TP-sharded. ``gate`` and
+    ``experts_key`` (another family's router, and the config field counting its experts;
+    Qwen3-MoE): default DeepSeek-V3's grouped top-k router over ``n_routed_experts``."""
+
+    def __init__(
+        self,
+        config: Any,
+        mapping: ParallelMapping,
+        gate: nn.Module | None = None,
+        experts_key: str = "n_routed_experts",
+    ) -> None:
         super().__init__()
         self.mapping = mapping
         self.adp = mapping.uses_adp_collectives
         h, inter = config.hidden_size, config.moe_intermediate_size
-        num_local = divide(config.n_routed_experts, mapping.tp_size, "n_routed_experts")
-        self.gate = MoEGate(config)
+        num_local = divide(int(getattr(config, experts_key)), mapping.tp_size, experts_key)
+        self.gate = MoEGate(config) if gate is None else gate
         self.experts = RoutedExperts(num_local, mapping.tp_rank * num_local, h, inter)
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
         self.shared_experts = PartialMLP(h, inter * shared, mapping) if shared else None

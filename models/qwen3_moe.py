@@ -29,10 +29,10 @@ from torch import nn
 from tandem.kernels.moe import softmax_topk
 from tandem.models.deepseek_v3 import DeepseekV3Model, deepseek_expected_keys
 from tandem.models.glm4_moe import load_glm4_moe_weights
-from tandem.models.layers import ParallelLMHead, RMSNorm
+from tandem.models.layers import RMSNorm
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from tandem.models.moe import DeepseekV3MoE, RoutedExperts
-from tandem.models.parallel import ParallelMapping, divide
+from tandem.models.moe import DeepseekV3MoE
+from tandem.models.parallel import ParallelMapping
 from tandem.models.weights import default_weight_loader, set_loader
 
 
@@ -61,14 +61,7 @@ class Qwen3MoeSparseMoe(DeepseekV3MoE):
     forward, collectives included, is DeepSeek-V3's)."""
 
     def __init__(self, config: Any, mapping: ParallelMapping) -> None:
-        nn.Module.__init__(self)
-        self.mapping = mapping
-        self.adp = mapping.uses_adp_collectives
-        h, inter = config.hidden_size, config.moe_intermediate_size
-        num_local = divide(config.num_experts, mapping.tp_size, "num_experts")
-        self.gate = SoftmaxTopKGate(config)
-        self.experts = RoutedExperts(num_local, mapping.tp_rank * num_local, h, inter)
-        self.shared_experts = None
+        super().__init__(config, mapping, SoftmaxTopKGate(config), "num_experts")
 
 
 def is_sparse_layer(config: Any, layer_index: int) -> bool:
@@ -105,17 +98,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Causal LM over the paged cache with the Llama family's interface; expert weights load
     like DeepSeek-V3's, q/k/v into the fused projection."""
 
-    def __init__(self, config: Any, mapping: ParallelMapping | None = None) -> None:
-        nn.Module.__init__(self)
-        mapping = mapping or ParallelMapping()
-        self.config = config
-        self.mapping = mapping
-        self.model = Qwen3MoeModel(config, mapping)
-        # Replicated under attention DP (each rank computes its own requests' logits).
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, mapping.attn_mapping)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def build_model(self, config: Any, mapping: ParallelMapping) -> nn.Module:
+        return Qwen3MoeModel(config, mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         return load_glm4_moe_weights(self, weights, self.checkpoint_names)
