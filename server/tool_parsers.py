@@ -29,7 +29,6 @@ from tandem.server.tool_formats import (
     KIMI_CALL_END,
     KIMI_CALLS_BEGIN,
     KIMI_CALLS_END,
-    KIMI_ID_PREFIX,
     PYTHON_TAG,
     QWEN_FUNCTION,
     QWEN_PARAM,
@@ -225,13 +224,16 @@ class DeepSeekV31Parser(_DeepSeekParser):
         return _call(name.strip(), _arguments(args), self.names) if sep else None
 
 
-_KIMI_ID = re.compile(rf"\s*{re.escape(KIMI_ID_PREFIX)}([^\s:]+):(\d+)\s*")
+# functions.NAME:INDEX; as other servers read it, any dotted prefix (or none) before the name.
+_KIMI_ID = re.compile(r"\s*(?:[^\s:]*\.)?([^\s.:]+):(\d+)\s*")
 
 
 class KimiK2Parser(_DeepSeekParser):
     """``<|tool_calls_section_begin|>`` of ``<|tool_call_begin|>functions.NAME:I
     <|tool_call_argument_begin|>{...}<|tool_call_end|>`` calls; each call's id is the one the
-    model wrote (``functions.NAME:I``: Kimi's template names tool results by it)."""
+    model wrote (``functions.NAME:I``: Kimi's template names tool results by it). The name is
+    what follows the id's last dot (function names hold none); an id without ``:I`` is not a
+    call."""
 
     name = "kimi_k2"
     open_tag, close_tag = KIMI_CALLS_BEGIN, KIMI_CALLS_END

@@ -274,17 +274,17 @@ CORPUS = [
         + KIMI["end"],
         [],
     ),
-    (  # an id without its index, or without the functions. prefix
+    (  # an id without its index
         "kimi_k2",
         KIMI["calls"] + _kimi("functions.add", {"a": 1}) + KIMI["end"],
         KIMI["calls"] + _kimi("functions.add", {"a": 1}) + KIMI["end"],
         [],
     ),
-    (
+    (  # the name follows the id's last dot, or is the whole of it before the index
         "kimi_k2",
-        KIMI["calls"] + _kimi("add:0", {"a": 1}) + KIMI["end"],
-        KIMI["calls"] + _kimi("add:0", {"a": 1}) + KIMI["end"],
-        [],
+        KIMI["calls"] + _kimi("add:0", {"a": 1}) + _kimi("tools.v2.add:1", {"a": 2}) + KIMI["end"],
+        "",
+        [("add", {"a": 1}), ("add", {"a": 2})],
     ),
     (  # the text ends in the section, its calls complete
         "kimi_k2",
