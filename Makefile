@@ -51,14 +51,13 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 # The suite in two parts: everything that can share the machine on TEST_WORKERS processes
-# (pytest-xdist; whole files per process, so a module's server or ranks start once; four on 2
-# cores: many tests wait on servers, ranks and timeouts more than they compute, and a clean-clone
-# run took 7 % less time with four than with three), then the tests marked
+# (pytest-xdist; whole files per process, so a module's server or ranks start once; three on 2
+# cores: many tests wait on servers and ranks more than they compute), then the tests marked
 # `serial` (timing-sensitive) alone, from the files that have any (none today: collecting the
 # whole suite again costs some 15 s); the parallel part lists its 40 slowest tests (what to cut
 # when the suite grows). Exit status 5 is "nothing selected" (a PYTEST_ARGS that picks tests of
 # one part only).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 test: setup
 	$(BIN)/ruff check .

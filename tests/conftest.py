@@ -1,4 +1,4 @@
-"""Suite-wide settings. ``make test`` runs the files on four processes (pytest-xdist, whole
+"""Suite-wide settings. ``make test`` runs the files on three processes (pytest-xdist, whole
 files per process): the slowest files are collected first, so they start first and no long one
 is left for the end while the other processes idle (longest first keeps them balanced)."""
 
