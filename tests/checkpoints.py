@@ -133,6 +133,21 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
     return results
 
 
+def assert_matches_hf(outs: list[Any], ref: list[dict[str, Any]], tol: float = 1e-4) -> None:
+    """Our greedy outputs (with ``logprobs=0``) against ``hf_greedy``'s: the same tokens, the
+    chosen log-probs within ``tol``, and a continuation varied enough to mean something (more
+    than 10 distinct tokens over the prompts)."""
+    diffs = []
+    for out, expected in zip(outs, ref, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == expected["tokens"]
+        diffs += [
+            abs(a.logprob - b) for a, b in zip(got.logprobs, expected["logprobs"], strict=True)
+        ]
+    assert max(diffs) < tol
+    assert len({t for e in ref for t in e["tokens"]}) > 10
+
+
 def _read_state(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
