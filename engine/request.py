@@ -89,7 +89,9 @@ class SpecStats:
         return self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-@dataclass
+@dataclass(
+    eq=False
+)  # one request is equal only to itself: the scheduler's lists compare by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]
