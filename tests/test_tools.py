@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from server_utils import RemoteServer, metric, scrape_metrics
-from tandem.models.builtin import CACHE_ENV, builtin_model_path
+from tandem.models.builtin import builtin_model_path
 from tandem.models.heads import builtin_head_path
 from tandem.server.protocol import ChatCompletionRequest
 
@@ -59,11 +59,10 @@ ARGS = ["--max-num-seqs", "4", "--served-model-name", "m", "--max-model-len", "1
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tandem-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_ENV, str(root))
-        return Path(builtin_model_path())
+def folder() -> Path:
+    """The built-in model from the user's cache, which the suite's other users share (its
+    conversion through a fresh cache is test_builtin_model's)."""
+    return Path(builtin_model_path())
 
 
 @pytest.fixture(scope="module")
