@@ -23,6 +23,10 @@ from tandem.kernels.launch import FORCE_GPU_PATHS, GPU_PATHS_ENV
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["none", "mtp-eagle", "eagle3", "mtp-vanilla", "eagle3-tree"]
 inner = pytest.mark.skipif(not FORCE_GPU_PATHS, reason=f"needs {GPU_PATHS_ENV}=1 at import")
+if FORCE_GPU_PATHS:
+    from triton_utils import interpret_without_overflow_checks
+
+    interpret_without_overflow_checks()
 
 
 def test_in_a_process_on_the_gpu_paths() -> None:

@@ -314,6 +314,8 @@ def test_fp8_checkpoints_we_cannot_read_exactly_are_refused(dsv3: Path, root: Pa
 _RESIDENT = r"""
 import json, sys
 import torch
+from triton_utils import interpret_without_overflow_checks
+interpret_without_overflow_checks()
 from safetensors.torch import load_file
 from tandem import LLM, SamplingParams
 from tandem.models.quantization import dequantize_fp8_blockwise
@@ -365,6 +367,7 @@ def test_gpu_paths_keep_fp8_weights_and_quantize_activations(dsv3: Path, root: P
     fp8 = quantize_checkpoint(dsv3, root / "fp8-kept", [32, 32])
     twin = dequantized_twin(fp8, root / "twin-kept")
     env = {**os.environ, "TANDEM_TEST_GPU_PATHS": "1", "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-c", _RESIDENT, str(fp8), str(twin)],
         env=env, capture_output=True, text=True, timeout=540,
