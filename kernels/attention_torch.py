@@ -24,8 +24,14 @@ def paged_attention_reference(
     max_seq_len: int,
     *,
     tree_mask: Tensor | None = None,
+    sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    """Plain per-sequence loop; obviously correct and slow. Same contract as `paged_attention`."""
+    """Plain per-sequence loop; obviously correct and slow. Same contract as `paged_attention`.
+
+    ``sinks`` [H]: one learned logit per query head that joins the softmax's denominator and
+    attends to nothing (gpt-oss). ``window``: a query at position p sees keys at p - window + 1
+    .. p only (sliding-window layers)."""
     del max_query_len, max_seq_len  # derived per sequence here
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -54,8 +60,14 @@ def paged_attention_reference(
                     rows = [i for i in range(min(j + 1, 64)) if (word >> i) & 1]
                     causal[j, ctx:] = False
                     causal[j, [ctx + i for i in rows]] = True
+        if window is not None:
+            causal &= pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, ql, 1)  # [H, ql, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 

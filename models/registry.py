@@ -8,6 +8,7 @@ from torch import nn
 
 from tandem.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tandem.models.glm4_moe import Glm4MoeForCausalLM
+from tandem.models.gpt_oss import GptOssForCausalLM
 from tandem.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from tandem.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

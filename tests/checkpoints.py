@@ -105,11 +105,15 @@ def build_llama(
     return folder
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[dict[str, Any]]:
-    """transformers' own greedy generate (one prompt at a time): tokens and chosen logprobs."""
+def hf_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int, **load: Any
+) -> list[dict[str, Any]]:
+    """transformers' own greedy generate (one prompt at a time): tokens and chosen logprobs.
+    ``load``: more arguments of ``from_pretrained`` (a quantization config)."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **load)
+    model.eval()
     model.generation_config.eos_token_id = None  # run the full length, like ignore_eos
     results = []
     for ids in prompts:
@@ -711,3 +715,126 @@ def eagle3_tree_spec(head: Path, topk: int, n: int, k: int = 3) -> dict[str, Any
         "topk": topk,
         "num_draft_tokens": n,
     }
+
+
+# gpt-oss-20b's config.json as released, but for the sizes (and the token ids, which must fit
+# the tiny vocabulary): both spellings of top-k, YaRN without truncation, a 128-token window on
+# every other layer, head_dim independent of hidden_size / heads (64 x 64 != 2880 there).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "experts_per_token": 4,
+    "hidden_act": "silu",
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_experts_per_tok": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+GPT_OSS_MXFP4 = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] → (blocks [..., rows, cols/32, 16] uint8, scales [..., rows, cols/32]
+    uint8): per 32 values a power-of-two scale putting the largest at most 6 (E2M1's largest),
+    each value rounded to the nearest E2M1 (ties to the smaller magnitude)."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    blocks = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    peak = blocks.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(peak / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.ldexp(torch.ones_like(exponent), exponent.int())[..., None]
+    magnitude = (scaled.abs()[..., None] - grid).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def build_gpt_oss(
+    folder: Path,
+    *,
+    mxfp4: bool = False,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    experts: int = 8,
+    seed: int = 0,
+) -> Path:
+    """Save a random ``GptOssForCausalLM`` + tokenizer into ``folder`` from gpt-oss-20b's
+    released config values (``GPT_OSS_20B``), sinks and biases random (transformers' init
+    zeroes some); with ``mxfp4`` the experts are stored as the release stores them
+    (``*_blocks`` / ``*_scales``) and ``quantization_config`` says so."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder, vocab_size)
+    values = {
+        **GPT_OSS_20B,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size,  # as released: 2880 and 2880
+        "num_hidden_layers": layers,
+        "layer_types": [("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_local_experts": experts,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = tf.GptOssConfig(**values)
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                # Sinks that matter, and expert gates past swiglu_limit on some rows.
+                kind = name.rsplit(".", 1)[-1]
+                std = {"sinks": 1.0, "gate_up_proj": 0.6}.get(
+                    kind, 0.02 if "bias" in kind else 0.15
+                )
+                p.normal_(0.0, std)
+    model.save_pretrained(str(folder))
+    text = json.loads((folder / "config.json").read_text())
+    text.update({k: v for k, v in values.items() if k not in text})  # release-only keys
+    if mxfp4:
+        text["quantization_config"] = GPT_OSS_MXFP4
+        (path,) = folder.glob("*.safetensors")
+        state = load_file(str(path))
+        for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            # Released [E, out, in] blocks of the [E, in, out] parameter.
+            blocks, scales = quantize_mxfp4(state.pop(name).transpose(1, 2))
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        save_file(state, str(path), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(text, indent=2))
+    gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return folder

@@ -1,0 +1,327 @@
+"""gpt-oss (Hugging Face ``GptOssForCausalLM`` folders: gpt-oss-20b, gpt-oss-120b).
+
+The block is Llama's pre-norm block with:
+
+- attention with biases on q/k/v and o, neox rotary with YaRN (``truncate: false``), and a
+  learned **sink** logit per query head that joins each softmax's denominator and attends to
+  nothing; the layers named ``sliding_attention`` in ``layer_types`` see only the last
+  ``sliding_window`` positions (128 in the releases), the ``full_attention`` ones all;
+- a mixture of ``num_local_experts`` experts with a biased router (``top_k`` best logits, then a
+  softmax over those k) and experts with biases and a clamped SwiGLU: with gate and up read from
+  the interleaved columns of ``gate_up_proj`` (even: gate, odd: up),
+  ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``,
+  ``out = (up + 1) * gate * sigmoid(alpha * gate)``.
+
+Expert weights: the released MXFP4 tensors (``mlp.experts.gate_up_proj_blocks`` [E, 2I, H/32,
+16] uint8, two E2M1 values a byte, low nibble first; ``..._scales`` [E, 2I, H/32] uint8, E8M0
+exponents biased by 127) are dequantized at load; a bf16 checkpoint's ``gate_up_proj`` [E, H,
+2I] / ``down_proj`` [E, I, H] load as they are. Experts are placed whole, ``E / tp`` per rank,
+as for DeepSeek-V3 (models/moe.py), with its collectives under TP and attention DP.
+
+The sinks and sliding windows run in ``paged_attention_reference`` (the torch path); the Triton
+kernels, the CPU fast path and draft trees do not take them yet, so the engine refuses gpt-oss
+on CUDA and with draft trees (``check_gpt_oss``), and the fast path skips its layers (they are
+not plain Llama layers). Every layer keeps its whole KV (a sliding layer does not free blocks
+that left its window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.attention_torch import paged_attention_reference
+from tandem.models.attention import AttentionMetadata, PagedAttention
+from tandem.models.deepseek_v3 import DeepseekV3Model
+from tandem.models.layers import RMSNorm, RowParallelLinear
+from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
+from tandem.models.moe import DeepseekV3MoE
+from tandem.models.parallel import ParallelMapping, divide
+from tandem.models.weights import (
+    copy_checked,
+    default_weight_loader,
+    expected_keys,
+    load_named_weights,
+    read_loaded,
+    set_loader,
+)
+
+# E2M1 (MXFP4's element): sign bit, two exponent bits, one mantissa bit.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
+MXFP4_BLOCK = 32
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``blocks`` [..., G, 16] uint8 (32 values per block of a row, low nibble first) and
+    ``scales`` [..., G] uint8 (a power of two per block) → [..., G * 32] in ``dtype``."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+            f"(expected blocks [..., G, {MXFP4_BLOCK // 2}] and scales [..., G])"
+        )
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    table = torch.cat([magnitudes, -magnitudes])  # index = sign * 8 + magnitude code
+    b = blocks.to(torch.uint8)
+    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).long()  # [..., G, 16, 2]: low, then high
+    values = table[codes].flatten(-2)  # [..., G, 32]
+    exponent = scales.to(torch.int32) - E8M0_BIAS
+    values = torch.ldexp(values, exponent[..., None].to(torch.float32))
+    return values.flatten(-2).to(dtype)
+
+
+class SinkAttention(PagedAttention):
+    """Paged attention with one sink logit per query head and an optional sliding window (the
+    torch reference path). The sinks are this rank's heads of ``self_attn.sinks``."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int | None,
+        first_head: int,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+        self.window = window
+        self.first_head = first_head
+        self.sinks = set_loader(
+            nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False),
+            self.load_sinks,
+        )
+
+    def load_sinks(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        full = read_loaded(loaded)
+        copy_checked(param, full[self.first_head : self.first_head + self.num_heads])
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if meta.tree_mask is not None:
+            raise RuntimeError("gpt-oss attention does not take draft trees (refused at start)")
+        self.write(k, v, meta)
+        out = paged_attention_reference(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+            sinks=self.sinks,
+            window=self.window,
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def layer_window(config: Any, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index`` (None: full attention)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    kind = types[layer_index] if layer_index < len(types) else "full_attention"
+    if kind == "sliding_attention":
+        return int(config.sliding_window)
+    if kind != "full_attention":
+        raise ValueError(f"layer_types[{layer_index}]={kind!r} is not supported")
+    return None
+
+
+class GptOssAttention(LlamaAttention):
+    def __init__(self, config: Any, mapping: ParallelMapping, layer_index: int) -> None:
+        bias = bool(getattr(config, "attention_bias", True))
+        super().__init__(config, mapping, bias, False)
+        attn_mapping = mapping.attn_mapping
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias, attn_mapping
+        )
+        self.attn = SinkAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim_of(config),
+            layer_window(config, layer_index),
+            attn_mapping.tp_rank * self.num_heads,
+        )
+
+
+class GptOssRouter(nn.Module):
+    """Biased fp32 router logits, the ``top_k`` best, a softmax over them → (weights [T, k]
+    fp32, ids [T, k])."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        e, h = int(config.num_local_experts), int(config.hidden_size)
+        self.top_k = int(config.num_experts_per_tok)
+        self.weight = set_loader(
+            nn.Parameter(torch.zeros(e, h, dtype=torch.float32), requires_grad=False),
+            default_weight_loader,
+        )
+        self.bias = set_loader(
+            nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False),
+            default_weight_loader,
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight, self.bias)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+class GptOssExperts(nn.Module):
+    """This rank's experts ``first_expert ..``: ``w13`` [n, H, 2I] (gate and up interleaved by
+    column, as released) with ``w13_bias`` [n, 2I], ``w2`` [n, I, H] with ``w2_bias`` [n, H]."""
+
+    def __init__(
+        self, num_local: int, first_expert: int, hidden: int, inter: int, config: Any
+    ) -> None:
+        super().__init__()
+        self.num_local, self.first_expert = num_local, first_expert
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(config, "swiglu_limit", 7.0))
+
+        def param(*shape: int) -> nn.Parameter:
+            return set_loader(nn.Parameter(torch.empty(*shape), requires_grad=False), self.load)
+
+        self.w13 = param(num_local, hidden, 2 * inter)
+        self.w13_bias = param(num_local, 2 * inter)
+        self.w2 = param(num_local, inter, hidden)
+        self.w2_bias = param(num_local, hidden)
+
+    def load(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """A tensor of every expert [E, ...]: this rank reads its range."""
+        full = read_loaded(loaded)
+        copy_checked(param, full[self.first_expert : self.first_expert + self.num_local])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], self.w2.shape[2], dtype=torch.float32, device=x.device)
+        local = ids - self.first_expert
+        for e in torch.unique(local).tolist():
+            if not 0 <= e < self.num_local:
+                continue
+            rows, slot = torch.nonzero(local == e, as_tuple=True)
+            gate_up = x[rows] @ self.w13[e] + self.w13_bias[e]
+            gate = gate_up[:, 0::2].clamp(max=self.limit)
+            up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+            y = h @ self.w2[e] + self.w2_bias[e]
+            out.index_add_(0, rows, y.float() * weights[rows, slot, None])
+        return out.to(x.dtype)
+
+
+class GptOssMoE(DeepseekV3MoE):
+    """The router and this rank's experts; DeepSeek-V3's forward (collectives included)."""
+
+    def __init__(self, config: Any, mapping: ParallelMapping) -> None:
+        nn.Module.__init__(self)
+        self.mapping = mapping
+        self.adp = mapping.uses_adp_collectives
+        h, inter = int(config.hidden_size), int(config.intermediate_size)
+        num_local = divide(int(config.num_local_experts), mapping.tp_size, "num_local_experts")
+        self.gate = GptOssRouter(config)
+        self.experts = GptOssExperts(num_local, mapping.tp_rank * num_local, h, inter, config)
+        self.shared_experts = None
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: Any, mapping: ParallelMapping, layer_index: int) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = GptOssAttention(config, mapping, layer_index)
+        self.mlp = GptOssMoE(config, mapping)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GptOssModel(DeepseekV3Model):
+    """Embedding, gpt-oss blocks, final norm; the forward is the Llama model's."""
+
+    layer_cls = GptOssDecoderLayer  # type: ignore[assignment]
+
+
+def check_gpt_oss(device: torch.device, tree_drafts: bool) -> None:
+    """What gpt-oss does not run on yet, refused at start."""
+    if device.type != "cpu":
+        raise ValueError(
+            "gpt-oss runs on CPU devices only for now: its attention sinks and sliding windows "
+            "are in the torch path, not yet in the Triton kernels (--device cpu)"
+        )
+    if tree_drafts:
+        raise ValueError(
+            "gpt-oss does not take draft trees yet (sliding windows in tree attention): use a "
+            "chain (speculative_config topk 1, method other than 'suffix')"
+        )
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    """Causal LM over the paged cache with the Llama family's interface; expert tensors in the
+    released MXFP4 layout or in bf16."""
+
+    def build_model(self, config: Any, mapping: ParallelMapping) -> nn.Module:
+        return GptOssModel(config, mapping)
+
+    def checkpoint_names(self, name: str) -> list[str] | None:
+        names = super().checkpoint_names(name)
+        if names is None:
+            return None
+        name = names[0]
+        if name.endswith(".self_attn.sinks"):
+            return [name.replace(".self_attn.sinks", ".self_attn.attn.sinks")]
+        if ".mlp.router." in name:
+            return [name.replace(".mlp.router.", ".mlp.gate.")]
+        return [name]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Expert tensors (MXFP4 pairs dequantized when both halves have come) go to the
+        experts; everything else through the Llama loader."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, Any]] = {}
+        dtype = self.model.embed_tokens.weight.dtype
+        ours = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+        def fill(prefix: str, proj: str, suffix: str, tensor: Any) -> None:
+            key = f"{prefix}.mlp.experts.{ours[proj]}{suffix}"
+            if key not in params:
+                raise ValueError(f"unexpected tensor in checkpoint: {prefix}.mlp.experts.{proj}")
+            try:
+                params[key].weight_loader(params[key], tensor)
+            except ValueError as e:
+                raise ValueError(f"{prefix}.mlp.experts.{proj}{suffix}: {e}") from None
+            loaded.add(key)
+
+        def others() -> Iterator[tuple[str, Any]]:
+            for ckpt_name, tensor in weights:
+                head, sep, tail = ckpt_name.partition(".mlp.experts.")
+                if not sep or self.checkpoint_names(ckpt_name) is None:
+                    yield ckpt_name, tensor
+                    continue
+                proj, _, part = tail.partition("_proj")
+                proj += "_proj"
+                if proj not in ours or part not in ("", "_bias", "_blocks", "_scales"):
+                    raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
+                if part in ("", "_bias"):
+                    fill(head, proj, part, tensor)
+                    continue
+                halves = pending.setdefault(f"{head}|{proj}", {})
+                halves[part] = read_loaded(tensor)
+                if len(halves) == 2:
+                    del pending[f"{head}|{proj}"]
+                    dense = dequantize_mxfp4(halves["_blocks"], halves["_scales"], dtype)
+                    fill(head, proj, "", dense.transpose(1, 2))  # [E, out, in] → [E, in, out]
+
+        loaded |= load_named_weights(self, others(), self.checkpoint_names)
+        if pending:
+            missing = sorted(k.replace("|", ".mlp.experts.") for k in pending)
+            raise ValueError(
+                f"MXFP4 tensors without their other half (blocks or scales): {missing}"
+            )
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        skip = {"lm_head.weight"} if self.tie_word_embeddings else set()
+        return expected_keys(self, skip)

@@ -1,0 +1,99 @@
+"""gpt-oss (``GptOssForCausalLM``, issue #48 item 2) on tiny checkpoints whose config.json holds
+gpt-oss-20b's released values (YaRN without truncation, a 128-token window on every other
+layer, attention biases, sinks, head_dim independent of the hidden size): greedy tokens and
+log-probs equal transformers' on prompts longer than the window, from a bf16 checkpoint and from
+one with the experts in the released MXFP4 layout (transformers' own dequantizing load as the
+oracle, tensor for tensor); TP = 2 speculating with an Eagle3 head equals one rank, and greedy
+speculation equals plain decoding; what gpt-oss does not run on yet is refused at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoints import assert_matches_hf, build_eagle3_draft, build_gpt_oss, hf_greedy
+from tandem import LLM, SamplingParams
+from tandem.models.gpt_oss import check_gpt_oss
+
+_gen = torch.Generator().manual_seed(1)
+# Past the 128-token window of layer 0 (the two longer ones), and one short prompt.
+PROMPTS = [torch.randint(3, 250, (n,), generator=_gen).tolist() for n in (5, 140, 200)]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    bf16 = build_gpt_oss(root / "bf16")
+    return {
+        "bf16": bf16,
+        "mxfp4": build_gpt_oss(root / "mxfp4", mxfp4=True),
+        "eagle3": build_eagle3_draft(root / "eagle3", bf16),
+    }
+
+
+def _hf_load(name: str) -> dict[str, Any]:
+    import transformers as tf
+
+    # On a CPU transformers dequantizes the MXFP4 experts when asked (its kernels need CUDA).
+    return {"quantization_config": tf.Mxfp4Config(dequantize=True)} if name == "mxfp4" else {}
+
+
+@pytest.mark.parametrize("name", ["bf16", "mxfp4"])
+def test_greedy_matches_transformers(ckpts: dict[str, Path], name: str) -> None:
+    ref = hf_greedy(ckpts[name], PROMPTS, NEW_TOKENS, **_hf_load(name))
+    with LLM(str(ckpts[name]), dtype="float32", max_model_len=512) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert_matches_hf(outs, ref)
+
+
+def test_mxfp4_experts_equal_transformers_dequantizing_load(ckpts: dict[str, Path]) -> None:
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        str(ckpts["mxfp4"]), dtype=torch.float32, **_hf_load("mxfp4")
+    )
+    with LLM(str(ckpts["mxfp4"]), dtype="float32", max_model_len=512) as llm:
+        ours = llm.engine.executor.worker.model
+        for layer, theirs in zip(ours.model.layers, hf.model.layers, strict=True):
+            experts = layer.mlp.experts
+            assert torch.equal(experts.w13, theirs.mlp.experts.gate_up_proj.float())
+            assert torch.equal(experts.w2, theirs.mlp.experts.down_proj.float())
+            assert torch.equal(experts.w13_bias, theirs.mlp.experts.gate_up_proj_bias.float())
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_and_eagle3_equal_one_rank_plain(ckpts: dict[str, Path]) -> None:
+    """Greedy Eagle3 (K = 3) equals plain decoding on one rank; TP = 2 (heads, KV heads,
+    sinks and experts split) speculating equals one rank: tokens, log-probs, drafts accepted."""
+    spec = {"method": "eagle3", "model": str(ckpts["eagle3"]), "num_speculative_tokens": 3}
+    runs = []
+    for kw in ({}, {"speculative_config": spec}, {"speculative_config": spec, "tp": 2}):
+        tp = kw.pop("tp", 1)
+        with LLM(
+            str(ckpts["bf16"]), dtype="float32", max_model_len=512, tensor_parallel_size=tp, **kw
+        ) as llm:
+            outs = llm.generate(PROMPTS, GREEDY)
+            assert llm.engine.get_stats().num_used_kv_blocks == 0
+        runs.append(outs)
+    tokens = [[o.outputs[0].token_ids for o in outs] for outs in runs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    lps = [[lp.logprob for o in outs for lp in o.outputs[0].logprobs] for outs in runs]
+    assert max(abs(a - b) for a, b in zip(lps[1], lps[2], strict=True)) < 1e-4
+    assert [o.spec_stats.accepted_per_pos for o in runs[1]] == [
+        o.spec_stats.accepted_per_pos for o in runs[2]
+    ]
+    assert sum(o.spec_stats.num_draft_tokens for o in runs[1]) > 0
+
+
+def test_what_it_does_not_run_on_yet_is_refused(ckpts: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="CPU devices only"):
+        check_gpt_oss(torch.device("cuda"), False)
+    tree = {"method": "eagle3", "model": str(ckpts["eagle3"]), "num_speculative_tokens": 3}
+    tree |= {"topk": 2, "num_draft_tokens": 6}
+    with pytest.raises(ValueError, match="draft trees"):
+        LLM(str(ckpts["bf16"]), dtype="float32", max_model_len=512, speculative_config=tree)
