@@ -553,12 +553,15 @@ class LLMEngine:
         detok = self.detok[request.request_id]
         n_out = request.num_output_tokens
         if n_out >= p.min_tokens:
+            # The token that ends the request is not in its text (as vLLM's): decoded with
+            # special tokens kept (markers a parser reads), an EOS would show as its string.
+            ended = request.output_token_ids[: None if p.include_stop_str_in_output else -1]
             if not p.ignore_eos and token in request.eos_token_ids:
-                detok.update(request.output_token_ids, False)
+                detok.update(ended, False)
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 request.stop_reason = token
-                detok.update(request.output_token_ids, False)
+                detok.update(ended, False)
                 return RequestStatus.FINISHED_STOPPED
         stop = detok.update(
             request.output_token_ids, p.include_stop_str_in_output, n_out >= p.min_tokens

@@ -321,3 +321,27 @@ def test_the_last_reference_frees_the_weights_and_the_kv_cache(
     finally:
         gc.enable()
     assert refs and alive == 0, f"{alive} of {len(refs)} tensors outlived the engine"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_ends_a_request_is_not_in_its_text(ckpt: Path, include: bool) -> None:
+    """As vLLM: a stop token (or EOS) ends the request with its id in ``token_ids`` but not its
+    text in ``text`` (decoded with special tokens kept, an EOS would show as its string), unless
+    ``include_stop_str_in_output``."""
+    prompt = [7, 8, 9]
+    with LLM(str(ckpt)) as llm:
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        tokens = free[0].outputs[0].token_ids
+        i = next(j for j in range(1, len(tokens)) if tokens[j] not in tokens[:j])
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            stop_token_ids=[tokens[i]],
+            skip_special_tokens=False,
+            include_stop_str_in_output=include,
+        )
+        (out,) = llm.generate([prompt], params)
+    got = out.outputs[0]
+    assert got.token_ids == tokens[: i + 1] and got.finish_reason == "stop"
+    kept = tokens[: i + 1] if include else tokens[:i]
+    assert got.text == llm.tokenizer.decode(kept, skip_special_tokens=False)
