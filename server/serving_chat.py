@@ -10,6 +10,7 @@ from typing import Any
 from tandem.engine.client import RequestGroup
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.server import harmony
 from tandem.server.chat import ChatRenderer, ChatTemplateError, messages_for_template
 from tandem.server.errors import bad_request, unsupported
 from tandem.server.logprobs import chat_logprobs
@@ -86,7 +87,10 @@ def render_chat_text(
         )
     knows_calls = template_uses(renderer.source, "tool_calls")
     override = state.settings.tool_call_parser
-    fmt = call_format(renderer.source, override, tools is not None and tools.parses)
+    if harmony.is_harmony_template(renderer.source):
+        fmt = "hermes"  # unused: the template renders the tools and earlier calls itself
+    else:
+        fmt = call_format(renderer.source, override, tools is not None and tools.parses)
     as_text = None if knows_calls else partial(calls_text, call_format=fmt)
     system = None
     if tools is not None and tools.tools and not template_uses(renderer.source, "tools"):
@@ -130,6 +134,7 @@ class ChatHandler:
         self.tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         self.reasoning: ReasoningParser | None = None  # set by submit()
         self.opened = False  # the prompt opened the thinking: the output starts in it
+        self.harmony = False  # the template writes the harmony format (server/harmony.py)
 
     async def submit(self) -> RequestGroup:
         req = self.req
@@ -140,11 +145,12 @@ class ChatHandler:
             logprobs=(req.top_logprobs or 0) if self.want_logprobs else None,
             param_names=_PARAM_NAMES,
         )
-        call_format = self._call_format()
-        special = frozenset(MARKERS.get(call_format, ())) & set(
-            getattr(self.state.tokenizer, "all_special_tokens", ())
-        )
-        forced = self.tools.grammar(call_format, special)
+        self.harmony = harmony.is_harmony_template(self._template())
+        if self.harmony:
+            self._refuse_for_harmony(params)
+        call_format = "hermes" if self.harmony else self._call_format()
+        special = self.state.special_tokens(MARKERS.get(call_format, ()))
+        forced = None if self.harmony else self.tools.grammar(call_format, special)
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
         kwargs = {**self.state.settings.default_chat_template_kwargs}
@@ -161,13 +167,14 @@ class ChatHandler:
         )
         # The template writes any BOS itself.
         self.prompt_ids = self.state.tokenizer.encode(text, add_special_tokens=False)
-        self.reasoning = resolve_parser(self.state.settings.reasoning_parser, self._template())
+        if not self.harmony:
+            self.reasoning = resolve_parser(self.state.settings.reasoning_parser, self._template())
         self.opened = self.reasoning is not None and self.reasoning.opens_in_prompt(text)
         params = self._keep_markers(params)
         if params.structured is not None and self._thinks_first(text):
             # The grammar (response_format, forced calls) holds what follows the thinking.
             end = self.reasoning.end if self.reasoning else ""
-            special = end in getattr(self.state.tokenizer, "all_special_tokens", ())
+            special = bool(self.state.special_tokens([end]))
             structured = dataclasses.replace(params.structured, after=end, after_special=special)
             params = dataclasses.replace(params, structured=structured)
         await compile_grammar(self.state, params, prompt_param="messages", param_names=_PARAM_NAMES)
@@ -186,15 +193,30 @@ class ChatHandler:
         with them. A request that sets ``skip_special_tokens`` keeps its choice."""
         if "skip_special_tokens" in self.req.model_fields_set:
             return params
-        markers: set[str] = set()
+        markers: set[str] = set(harmony.MARKERS) if self.harmony else set()
         if self.reasoning is not None:
             markers |= {self.reasoning.start, self.reasoning.end}
-        if self.tools.parses:
+        if self.tools.parses and not self.harmony:
             markers |= set(MARKERS.get(self._call_format(), ()))
-        special = set(getattr(self.state.tokenizer, "all_special_tokens", ()))
-        if markers & special:
+        if self.state.special_tokens(markers):
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
+
+    def _refuse_for_harmony(self, params: SamplingParams) -> None:
+        """What the harmony format does not take yet: a grammar over the whole output would
+        stop the model from writing its channels."""
+        if self.tools.forced:
+            raise bad_request(
+                "tool_choice 'required' or a named function is not supported for models that "
+                "write the harmony format (gpt-oss) yet; use 'auto'",
+                "tool_choice",
+            )
+        if params.structured is not None:
+            raise bad_request(
+                "structured outputs (response_format, structured_outputs) are not supported for "
+                "models that write the harmony format (gpt-oss) yet",
+                "response_format",
+            )
 
     def _thinks_first(self, prompt: str) -> bool:
         """Whether the output may open with a thinking section: a reasoning parser is on and the
@@ -237,13 +259,26 @@ class ChatHandler:
                 logprobs = chat_logprobs(c.logprobs or [], self.state.token_text)
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
             text = c.text
+            finish = c.finish_reason
+            if self.harmony:
+                parsed = harmony.parse(c.text, self.tools.parses)
+                calls = parsed.calls[: None if self.tools.parallel else 1]
+                message["content"] = parsed.content or None
+                message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
+                message["refusal"] = None
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+                choices.append(
+                    {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
+                )
+                continue
             if self.reasoning is not None:
                 split = self.reasoning.split(c.text, self.opened)
                 text = split.content or ""
                 message["content"] = split.content
                 message["reasoning_content"] = message["reasoning"] = split.reasoning
             message["refusal"] = None
-            finish = c.finish_reason
             if self.tools.parses:  # calls are read from the answer, never from the thinking
                 parsed = self._parser().parse(text)
                 calls = parsed.tool_calls[: None if self.tools.parallel else 1]
@@ -283,7 +318,13 @@ class ChatHandler:
         sent_text = [""] * self.n
         sent_tokens = [0] * self.n
         last: dict[int, RequestOutput] = {}
-        streams = [self._parser().stream() for _ in range(self.n)] if self.tools.parses else []
+        channels = (
+            [harmony.HarmonyStream(self.tools.parses) for _ in range(self.n)]
+            if self.harmony
+            else []
+        )
+        parses = self.tools.parses and not self.harmony
+        streams = [self._parser().stream() for _ in range(self.n)] if parses else []
         thinking = (
             [self.reasoning.stream(self.opened) for _ in range(self.n)] if self.reasoning else []
         )
@@ -306,6 +347,28 @@ class ChatHandler:
                 sent_text[i] += delta
                 sent_tokens[i] = len(c.token_ids)
                 reasoning = ""
+                if channels:
+                    message, reasoning, finish = self._harmony_delta(
+                        channels[i], delta, out.finished, c.finish_reason, num_calls, i
+                    )
+                    if reasoning:
+                        message = {
+                            "reasoning_content": reasoning,
+                            "reasoning": reasoning,
+                            **message,
+                        }
+                    if not (message or new_lps or out.finished):
+                        continue  # text held back: it may start a marker
+                    choice = {
+                        "index": i,
+                        "delta": message,
+                        "logprobs": chat_logprobs(new_lps, self.state.token_text)
+                        if self.want_logprobs
+                        else None,
+                        "finish_reason": finish,
+                    }
+                    yield sse(self._chunk([choice]))
+                    continue
                 if thinking:
                     reasoning, delta = thinking[i].feed(delta)
                     if out.finished:
@@ -337,6 +400,35 @@ class ChatHandler:
         except Exception as e:
             yield sse_error(e)
         yield sse("[DONE]")
+
+    def _harmony_delta(
+        self,
+        stream: harmony.HarmonyStream,
+        delta: str,
+        finished: bool,
+        finish: str | None,
+        num_calls: list[int],
+        i: int,
+    ) -> tuple[dict[str, Any], str, str | None]:
+        """One choice's delta read as harmony messages: (the message's content and calls, its
+        reasoning, the finish reason)."""
+        reasoning, content, calls = stream.feed(delta)
+        if finished:
+            more_reasoning, more_content, more_calls = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+            calls = calls + more_calls
+        if not self.tools.parallel:
+            calls = calls[: max(0, 1 - num_calls[i])]
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [
+                call.to_openai(num_calls[i] + k) for k, call in enumerate(calls)
+            ]
+            num_calls[i] += len(calls)
+        finish = finish if finished else None
+        if finish == "stop" and num_calls[i]:
+            finish = "tool_calls"
+        return message, reasoning, finish
 
     def _tool_delta(
         self,

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,16 @@ class ServerSettings:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Called once when the engine is gone for good (start-up failed or it died).
     on_engine_dead: Callable[[str], None] | None = None
+
+
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether ``tokenizer`` holds ``text`` as one special token (see
+    ``ServerState.special_tokens``)."""
+    token = single_token_id(tokenizer, text)
+    return token is not None and (
+        text in getattr(tokenizer, "all_special_tokens", ())
+        or tokenizer.decode([token], skip_special_tokens=True) == ""
+    )
 
 
 class ServerState:
@@ -90,10 +100,23 @@ class ServerState:
             )
         # The end of the thinking as one token id, if the tokenizer has it (reasoning_tokens).
         self.think_end_id = single_token_id(self.tokenizer, THINK_END)
+        self._special: dict[str, bool] = {}  # special_tokens' answers
         self.created = int(time.time())
         self.generation_defaults: dict[str, Any] = {}
         self.start_error: str | None = None
         self.draining = False  # shutting down: new requests get 503, in-flight ones finish
+
+    def special_tokens(self, texts: Iterable[str]) -> frozenset[str]:
+        """Which of ``texts`` the tokenizer holds as one special token: one that decoding with
+        ``skip_special_tokens`` drops (the tokenizer's own flag, whether or not its config also
+        lists the token among ``all_special_tokens``)."""
+        out = []
+        for text in texts:
+            if text not in self._special:
+                self._special[text] = is_special_token(self.tokenizer, text)
+            if self._special[text]:
+                out.append(text)
+        return frozenset(out)
 
     @property
     def model_name(self) -> str:

@@ -44,10 +44,11 @@ class Script:
 
     sequences: tuple[tuple[str, ...], ...]
     extra: tuple[str, ...] = ()
+    special: tuple[str, ...] = ()  # more special tokens (the format's markers)
 
     def vocab(self) -> list[str]:
         """Special tokens first, then every other token in first-seen order."""
-        out = list(SPECIAL)
+        out = list(SPECIAL) + [t for t in self.special if t not in SPECIAL]
         for tok in [*(t for seq in self.sequences for t in seq), *self.extra]:
             if tok not in out:
                 out.append(tok)
@@ -79,7 +80,8 @@ def build_tokenizer(folder: Path, script: Script, chat_template: str) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     vocab = script.vocab()
-    words = sorted((t for t in vocab if t not in SPECIAL), key=len, reverse=True)
+    special = (*SPECIAL, *script.special)
+    words = sorted((t for t in vocab if t not in special), key=len, reverse=True)
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(
         Regex("|".join(re.escape(w) for w in words)), behavior="isolated"
@@ -87,7 +89,7 @@ def build_tokenizer(folder: Path, script: Script, chat_template: str) -> Any:
     # Decoding concatenates; the byte-fallback stage (no byte tokens here) is what lets
     # llguidance read the vocabulary (structured output on scripted models).
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -278,4 +280,41 @@ REASONING_SCRIPT = Script(
         ("<think>\n", *OPEN_THINK_TOKENS),  # the newer R1 template
     ),
     extra=PROMPT_TOKENS,
+)
+
+
+GPT_OSS_TEMPLATE = (
+    # gpt-oss (harmony): a system message with the reasoning effort and the channels, the
+    # developer message with the instructions and the functions namespace, earlier calls as
+    # messages to functions.NAME on the commentary channel, their results as messages from
+    # them, earlier answers on the final channel, and the generation prompt <|start|>assistant.
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n' }}"
+    "{{- 'Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') }}"
+    "{{- '\\n\\n# Valid channels: analysis, commentary, final.' }}"
+    "{%- if tools %}{{- '\\nCalls to these tools must go to the commentary channel: functions.' }}"
+    "{%- endif %}{{- '<|end|>' }}"
+    "{%- set rest = messages %}{%- set instructions = '' %}"
+    "{%- if messages[0].role in ('system', 'developer') %}"
+    "{%- set instructions = messages[0].content %}{%- set rest = messages[1:] %}{%- endif %}"
+    "{%- if instructions or tools %}{{- '<|start|>developer<|message|>' }}"
+    "{%- if instructions %}{{- '# Instructions\\n\\n' + instructions }}{%- endif %}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\n## functions\\n\\nnamespace functions {\\n' }}"
+    "{%- for tool in tools %}{{- '\\ntype ' + tool.function.name + ' = (_: ' }}"
+    "{{- tool.function.parameters | tojson }}{{- ') => any;\\n' }}{%- endfor %}"
+    "{{- '\\n} // namespace functions' }}{%- endif %}{{- '<|end|>' }}{%- endif %}"
+    "{%- set last = namespace(name=none) %}"
+    "{%- for message in rest %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- set call = message.tool_calls[0].function %}{%- set last.name = call.name %}"
+    "{{- '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>' }}"
+    "{{- call.arguments | tojson }}{{- '<|call|>' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start|>functions.' + last.name + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message.content | tojson }}{{- '<|end|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
