@@ -44,7 +44,7 @@ if HAS_TRITON:
     def _paged_attention_kernel(
         q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, out_ptr: tl.tensor,
         block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor, query_start_loc_ptr: tl.tensor,
-        tree_mask_ptr: tl.tensor, scale_log2e: tl.tensor,
+        tree_mask_ptr: tl.tensor, sinks_ptr: tl.tensor, scale_log2e: tl.tensor,
         stride_qt: tl.tensor, stride_qh: tl.tensor,
         stride_kb: tl.tensor, stride_ks: tl.tensor, stride_kh: tl.tensor,
         stride_vb: tl.tensor, stride_vs: tl.tensor, stride_vh: tl.tensor,
@@ -53,7 +53,7 @@ if HAS_TRITON:
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
-        DOT_FP32: tl.constexpr, TREE: tl.constexpr,
+        DOT_FP32: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
     ) -> None:  # fmt: skip
         # Program = (sequence, kv head x value chunk, block of BLOCK_Q query tokens). Its BLOCK_M
         # rows pack BLOCK_Q tokens x GROUP query heads that share the kv head (GQA), so decode
@@ -62,7 +62,9 @@ if HAS_TRITON:
         # columns [c * BLOCK_DV, (c + 1) * BLOCK_DV) of its value chunk c. Wide heads (MLA's
         # latent 512 + rope 64) thus never hold a whole row in registers or shared memory.
         # TREE: rows with a nonzero tree word see the prefix and the query rows of their word
-        # (tree_mask_ptr is unused otherwise).
+        # (tree_mask_ptr is unused otherwise). WINDOW > 0: a row at position p sees keys
+        # p - WINDOW + 1 .. p only (sliding-window layers; not with TREE). SINKS: one logit per
+        # query head (sinks_ptr, natural log) joins each row's softmax denominator.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // NUM_DV
         dv0 = (tl.program_id(1) % NUM_DV) * BLOCK_DV
@@ -96,7 +98,11 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for start in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if WINDOW > 0:  # the first tile any row of this block still sees
+            first = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
+            kv_start = (first // BLOCK_N) * BLOCK_N
+        for start in range(kv_start, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_valid = n < kv_end
             blk = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE,
@@ -128,6 +134,8 @@ if HAS_TRITON:
                 in_tree = visible & (bit != 0) & (rel < 64)[None, :]
                 tree_visible = (rel < 0)[None, :] | in_tree
                 visible = tl.where(word[:, None] != 0, tree_visible, visible)
+            if WINDOW > 0:
+                visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
             visible = visible & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -145,6 +153,11 @@ if HAS_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
+        if SINKS:  # exp(sink) joins the denominator, in the running max's scale
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634  # log2(e): the scores are in the log2 domain
+            m_safe = tl.where(m_i == float("-inf"), sink, m_i)
+            l_i = l_i + tl.exp2(sink - m_safe)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
@@ -178,6 +191,8 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     tree_mask: Tensor | None = None,
+    sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -206,6 +221,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
         tree_mask.contiguous() if tree else seq_lens,  # unused without TREE
+        sinks.float().contiguous() if sinks is not None else seq_lens,  # unused without SINKS
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -213,7 +229,8 @@ def paged_attention_triton(
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         group, block_size, head_dim,
-        block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, tree, **options,
+        block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, tree,
+        window or 0, sinks is not None, **options,
     )  # fmt: skip
     return out
 

@@ -29,6 +29,7 @@ from torch import Tensor
 from tandem.kernels.attention_torch import (
     AttentionPlan,
     build_attention_plan,
+    paged_attention_reference,
     paged_attention_torch,
 )
 from tandem.kernels.attention_triton import paged_attention_triton, write_kv_cache_triton
@@ -100,6 +101,8 @@ def paged_attention(
     plan: AttentionPlan | None = None,
     use_triton: bool | None = None,
     tree_mask: Tensor | None = None,
+    sinks: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged KV cache.
 
@@ -109,7 +112,10 @@ def paged_attention(
     the PyTorch path elsewhere; `use_triton=True` on CPU runs the kernel in the Triton
     interpreter (tests). `plan` (PyTorch path only) lets all layers of a step share indices.
     `tree_mask` [num_tokens] int64 (see the module docstring): tree attention for the rows with
-    a nonzero word; a `plan` must have been built with it.
+    a nonzero word; a `plan` must have been built with it. `sinks` [num_heads] (one logit per
+    query head in the softmax's denominator) and `window` (a row at position p sees keys
+    p - window + 1 .. p): gpt-oss's layers, in the Triton kernel or `paged_attention_reference`
+    (the PyTorch path's plans do not take them); not with `tree_mask`.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -123,6 +129,8 @@ def paged_attention(
             f"tree_mask must be int64 [num_tokens] = [{q.shape[0]}], got "
             f"{tree_mask.dtype} {list(tree_mask.shape)}"
         )
+    if (sinks is not None or window is not None) and tree_mask is not None:
+        raise ValueError("sinks and sliding windows do not take a tree mask")
     if use_triton is None:
         use_triton = gpu_paths(q) and HAS_TRITON
     if use_triton:
@@ -138,6 +146,22 @@ def paged_attention(
             scale,
             max_query_len,
             tree_mask,
+            sinks,
+            window,
+        )
+    if sinks is not None or window is not None:
+        return paged_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            max_seq_len,
+            sinks=sinks,
+            window=window,
         )
     if plan is None:
         plan = build_attention_plan(

@@ -18,10 +18,11 @@ exponents biased by 127) are dequantized at load; a bf16 checkpoint's ``gate_up_
 2I] / ``down_proj`` [E, I, H] load as they are. Experts are placed whole, ``E / tp`` per rank,
 as for DeepSeek-V3 (models/moe.py), with its collectives under TP and attention DP.
 
-The sinks and sliding windows run in ``paged_attention_reference`` (the torch path); the Triton
-kernels, the CPU fast path and draft trees do not take them yet, so the engine refuses gpt-oss
-on CUDA and with draft trees (``check_gpt_oss``), and the fast path skips its layers (they are
-not plain Llama layers). Every layer keeps its whole KV (a sliding layer does not free blocks
+The sinks and sliding windows run in the Triton attention kernel (CUDA, and CPU tests through
+the interpreter) and in ``paged_attention_reference`` on CPUs; the CPU fast path and draft
+trees do not take them yet, and the experts loop over the experts a step routes to (a host
+read: no CUDA graph), so the engine refuses gpt-oss on CUDA and with draft trees
+(``check_gpt_oss``), and the fast path skips its layers (they are not plain Llama layers). Every layer keeps its whole KV (a sliding layer does not free blocks
 that left its window).
 """
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.attention_torch import paged_attention_reference
+from tandem.kernels.paged_attention import paged_attention
 from tandem.models.attention import AttentionMetadata, PagedAttention
 from tandem.models.deepseek_v3 import DeepseekV3Model
 from tandem.models.layers import RMSNorm, RowParallelLinear
@@ -77,8 +78,9 @@ def dequantize_mxfp4(
 
 
 class SinkAttention(PagedAttention):
-    """Paged attention with one sink logit per query head and an optional sliding window (the
-    torch reference path). The sinks are this rank's heads of ``self_attn.sinks``."""
+    """Paged attention with one sink logit per query head and an optional sliding window
+    (``paged_attention``'s ``sinks`` / ``window``). The sinks are this rank's heads of
+    ``self_attn.sinks``."""
 
     def __init__(
         self,
@@ -106,7 +108,7 @@ class SinkAttention(PagedAttention):
         if meta.tree_mask is not None:
             raise RuntimeError("gpt-oss attention does not take draft trees (refused at start)")
         self.write(k, v, meta)
-        out = paged_attention_reference(
+        out = paged_attention(
             q,
             self.k_cache,
             self.v_cache,
@@ -311,7 +313,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 halves[part] = read_loaded(tensor)
                 if len(halves) == 2:
                     del pending[f"{head}|{proj}"]
-                    dense = dequantize_mxfp4(halves["_blocks"], halves["_scales"], dtype)
+                    try:
+                        dense = dequantize_mxfp4(halves["_blocks"], halves["_scales"], dtype)
+                    except ValueError as e:
+                        raise ValueError(f"{head}.mlp.experts.{proj}_blocks: {e}") from None
                     fill(head, proj, "", dense.transpose(1, 2))  # [E, out, in] → [E, in, out]
 
         loaded |= load_named_weights(self, others(), self.checkpoint_names)

@@ -155,6 +155,34 @@ def test_reference_decode_row_sees_whole_context():
     assert not torch.allclose(before, after)
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "window4"])
+def test_reference_sinks_and_window_match_transformers_gpt_oss_attention(window):
+    """gpt-oss's attention (transformers' eager function: sinks as an extra softmax column,
+    the window as an additive mask) over a chunk with context: the same outputs."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    ctx, ql, heads, kv_heads = 6, 5, 4, 2
+    b = make_batch([(ctx, ql)], heads, kv_heads, 16, block_size=4)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(5))
+    n = ctx + ql
+    slots = b.block_tables[0, torch.arange(n) // 4].long() * 4 + torch.arange(n) % 4
+    k = b.k_cache.flatten(0, 1)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+    v = b.v_cache.flatten(0, 1)[slots].transpose(0, 1)[None]
+    q_pos, k_pos = torch.arange(ctx, n)[:, None], torch.arange(n)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    mask = torch.zeros(ql, n).masked_fill(~seen, float("-inf"))[None, None]
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=heads // kv_heads, training=False)
+    want, _ = eager_attention_forward(module, b.q.transpose(0, 1)[None], k, v, mask, b.scale)
+    got = paged_attention_reference(*b.args(), sinks=sinks, window=window)
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+    plain = paged_attention_reference(*b.args())
+    assert not torch.allclose(got, plain, atol=1e-3)  # the sinks (and window) matter here
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU PyTorch path
 # ---------------------------------------------------------------------------------------------
@@ -411,6 +439,19 @@ def test_triton_long_chunk_spans_several_query_blocks():
     b = make_batch([(7, 40), (0, 1)], 8, 2, 16, block_size=16)
     out = paged_attention(*b.args(), use_triton=True)
     assert_close(out, paged_attention_reference(*b.args()), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("scenario", "window"), [("mixed", 5), ("verify", 3), ("decode", None)])
+def test_triton_sinks_and_window_match_reference(scenario, window):
+    """gpt-oss's layers: a sink logit per query head, and a window shorter than the contexts
+    (whole KV tiles before it skipped)."""
+    b = make_batch(SCENARIOS[scenario], 8, 2, 16, block_size=4, seed=4)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(6)) * 2
+    out = paged_attention(*b.args(), use_triton=True, sinks=sinks, window=window)
+    ref = paged_attention_reference(*b.args(), sinks=sinks, window=window)
+    assert_close(out, ref, torch.float32)
+    assert not torch.allclose(ref, paged_attention_reference(*b.args()), atol=1e-3)
 
 
 @needs_interpreter
