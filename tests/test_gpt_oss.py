@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoints import assert_matches_hf, build_eagle3_draft, build_gpt_oss, hf_greedy
+from checkpoints import (
+    _read_state,
+    _write_state,
+    assert_matches_hf,
+    build_eagle3_draft,
+    build_gpt_oss,
+    build_llama,
+    hf_greedy,
+)
 from tandem import LLM, SamplingParams
 from tandem.models.gpt_oss import check_gpt_oss
 
@@ -69,11 +77,14 @@ def test_mxfp4_experts_equal_transformers_dequantizing_load(ckpts: dict[str, Pat
 @pytest.mark.timeout(300)
 def test_two_ranks_and_eagle3_equal_one_rank_plain(ckpts: dict[str, Path]) -> None:
     """Greedy Eagle3 (K = 3) equals plain decoding on one rank; TP = 2 (heads, KV heads,
-    sinks and experts split) speculating equals one rank: tokens, log-probs, drafts accepted."""
+    sinks and experts split) and attention DP = 2 with LM-head TP (attention replicated, the
+    MoE over both ranks' rows), speculating, equal one rank: tokens, log-probs, drafts
+    accepted per position."""
     spec = {"method": "eagle3", "model": str(ckpts["eagle3"]), "num_speculative_tokens": 3}
+    adp = {"enable_attention_dp": True, "enable_lm_head_tp_in_adp": True}
     runs = []
-    for kw in ({}, {"speculative_config": spec}, {"speculative_config": spec, "tp": 2}):
-        tp = kw.pop("tp", 1)
+    for tp, kw in ((1, {}), (1, {"speculative_config": spec}),
+                   (2, {"speculative_config": spec}), (2, {"speculative_config": spec, **adp})):  # fmt: skip
         with LLM(
             str(ckpts["bf16"]), dtype="float32", max_model_len=512, tensor_parallel_size=tp, **kw
         ) as llm:
@@ -81,13 +92,46 @@ def test_two_ranks_and_eagle3_equal_one_rank_plain(ckpts: dict[str, Path]) -> No
             assert llm.engine.get_stats().num_used_kv_blocks == 0
         runs.append(outs)
     tokens = [[o.outputs[0].token_ids for o in outs] for outs in runs]
-    assert tokens[0] == tokens[1] == tokens[2]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
     lps = [[lp.logprob for o in outs for lp in o.outputs[0].logprobs] for outs in runs]
-    assert max(abs(a - b) for a, b in zip(lps[1], lps[2], strict=True)) < 1e-4
-    assert [o.spec_stats.accepted_per_pos for o in runs[1]] == [
-        o.spec_stats.accepted_per_pos for o in runs[2]
-    ]
+    accepted = [[o.spec_stats.accepted_per_pos for o in outs] for outs in runs[1:]]
+    for other in (2, 3):
+        assert max(abs(a - b) for a, b in zip(lps[1], lps[other], strict=True)) < 1e-4
+        assert accepted[other - 1] == accepted[0]
     assert sum(o.spec_stats.num_draft_tokens for o in runs[1]) > 0
+
+
+def _broken_copy(src: Path, dst: Path, edit: Any) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    state = _read_state(dst)
+    edit(state)
+    _write_state(dst, state)
+    return dst
+
+
+def test_loading_errors_name_the_tensor(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """An MXFP4 tensor with a wrong block shape, blocks without their scales, and an Eagle3
+    head built for another hidden size: each refused at load, naming the tensor."""
+    name = "model.layers.1.mlp.experts.down_proj"
+
+    def wrong_block(state: dict[str, torch.Tensor]) -> None:
+        blocks = state[f"{name}_blocks"]
+        state[f"{name}_blocks"] = blocks.reshape(*blocks.shape[:-2], -1, 8).contiguous()
+
+    bad = _broken_copy(ckpts["mxfp4"], tmp_path / "block", wrong_block)
+    with pytest.raises(ValueError, match=f"{name}_blocks: MXFP4 blocks"):
+        LLM(str(bad), dtype="float32", max_model_len=512)
+    bad = _broken_copy(
+        ckpts["mxfp4"], tmp_path / "scales", lambda state: state.pop(f"{name}_scales")
+    )
+    with pytest.raises(ValueError, match=f"without their other half.*{name}"):
+        LLM(str(bad), dtype="float32", max_model_len=512)
+    other = build_eagle3_draft(tmp_path / "head", build_llama(tmp_path / "llama", hidden_size=32))
+    spec = {"method": "eagle3", "model": str(other), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="hidden"):
+        LLM(str(ckpts["bf16"]), dtype="float32", max_model_len=512, speculative_config=spec)
 
 
 def test_what_it_does_not_run_on_yet_is_refused(ckpts: dict[str, Path]) -> None:
