@@ -191,6 +191,24 @@ def connect_store(
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
+def launched_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of a launched world at ``MASTER_ADDR:MASTER_PORT``, as ``env://``
+    opens it (rank 0 hosts it, unless torchrun's agent already does), but waiting up to
+    ``timeout`` (the start-up one: ranks of other nodes may start minutes later)."""
+    host, port = split_host_port(launch.master, "MASTER_ADDR:MASTER_PORT")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host,
+        port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not agent,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    # A restarted world (torchrun --max-restarts) meets the same agent's store: its own keys.
+    return dist.PrefixStore(f"tandem/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
     """CUDA ranks take one device each (by local rank); CPU ranks share the host."""
     if device.type != "cuda":

@@ -33,6 +33,7 @@ from tandem.engine.distributed import (
     follower_idle_timeout,
     gather_objects,
     init_distributed,
+    launched_store,
     rank_device,
     start_parent_watchdog,
     startup_timeout_s,
@@ -112,15 +113,22 @@ def rank_mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> Para
 
 
 def join_launched_world(config: EngineConfig, launch: LaunchEnv) -> tuple[ProcessGroups, Worker]:
-    """Under an external launcher (torchrun, srun): join the ``env://`` world, check that every
-    rank got the same arguments, and load this rank's shard. Ranks other than 0 wait for a step
-    at most 1.5 times the collective timeout (rank 0 pings the control group while idle)."""
+    """Under an external launcher (torchrun, srun): join the launched world, check that every
+    rank got the same arguments, and load this rank's shard. Every rank first waits for all
+    (up to the start-up timeout: nodes may start apart, imports may be slow), then joins the
+    process group, whose rendezvous and collectives the collective timeout bounds. Ranks other
+    than 0 wait for a step at most 1.5 times the collective timeout (rank 0 pings the control
+    group while idle)."""
     timeout = collective_timeout()
     device = rank_device(config.device, launch.local_rank)
     if device.type == "cpu" and launch.local_world_size:  # ranks share the node's cores
         torch.set_num_threads(cpu_threads(launch.local_world_size))
     idle = follower_idle_timeout(timeout)
-    groups = init_distributed(launch.rank, launch.world_size, device, timeout, None, idle)
+    wait_s = startup_timeout_s()
+    store = launched_store(launch, collective_timeout(wait_s))
+    await_world(store, launch.world_size, time.monotonic() + wait_s)
+    store.set_timeout(timeout)
+    groups = init_distributed(launch.rank, launch.world_size, device, timeout, store, idle)
     agree_in_world(config, groups.control)
     worker = Worker(
         dataclasses.replace(config, device=device),

@@ -53,9 +53,11 @@ def _torchrun_node(model: Path, node_rank: int, master_port: int) -> RemoteServe
     return RemoteServer(model, ["-tp", "2"], launcher=launcher, env=ENV, headless=node_rank != 0)
 
 
-def _srun_task(model: Path, rank: int, addr: str, args: tuple[str, ...] = ()) -> RemoteServer:
+def _srun_task(
+    model: Path, rank: int, addr: str, args: tuple[str, ...] = (), **env_extra: str
+) -> RemoteServer:
     slurm = {"SLURM_NTASKS": "2", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
-    env = {**ENV, **slurm, "SLURM_NTASKS_PER_NODE": "2"}
+    env = {**ENV, **slurm, "SLURM_NTASKS_PER_NODE": "2", **env_extra}
     argv = ["-tp", "2", "--dist-init-addr", addr, *args]
     return RemoteServer(model, argv, env=env, headless=rank != 0)
 
@@ -137,8 +139,13 @@ def test_two_torchrun_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0
 
 
 def test_srun_tasks_serve_like_one_rank_then_a_killed_rank_0_ends_rank_1(model_dir, reference):
+    """Rank 1 starts 12 s after rank 0, twice the 4 s collective timeout past rank 0's arrival:
+    the rendezvous waits for it (the start-up timeout bounds that wait)."""
     addr = f"127.0.0.1:{free_port()}"
-    rank0, rank1 = _srun_task(model_dir, 0, addr), _srun_task(model_dir, 1, addr)
+    short = {"TANDEM_DIST_TIMEOUT_S": "4"}
+    rank0 = _srun_task(model_dir, 0, addr, **short)
+    time.sleep(12)
+    rank1 = _srun_task(model_dir, 1, addr, **short)
     try:
         rank0.wait_ready()
         assert served_greedy(rank0, model_dir) == reference
