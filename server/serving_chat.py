@@ -347,43 +347,27 @@ class ChatHandler:
                 sent_text[i] += delta
                 sent_tokens[i] = len(c.token_ids)
                 reasoning = ""
+                finish = c.finish_reason if out.finished else None
+                message: dict[str, Any]
                 if channels:
                     message, reasoning, finish = self._harmony_delta(
-                        channels[i], delta, out.finished, c.finish_reason, num_calls, i
+                        channels[i], delta, out.finished, finish, num_calls, i
                     )
-                    if reasoning:
-                        message = {
-                            "reasoning_content": reasoning,
-                            "reasoning": reasoning,
-                            **message,
-                        }
-                    if not (message or new_lps or out.finished):
-                        continue  # text held back: it may start a marker
-                    choice = {
-                        "index": i,
-                        "delta": message,
-                        "logprobs": chat_logprobs(new_lps, self.state.token_text)
-                        if self.want_logprobs
-                        else None,
-                        "finish_reason": finish,
-                    }
-                    yield sse(self._chunk([choice]))
-                    continue
-                if thinking:
-                    reasoning, delta = thinking[i].feed(delta)
-                    if out.finished:
-                        more_reasoning, more = thinking[i].finish()
-                        reasoning, delta = reasoning + more_reasoning, delta + more
-                message: dict[str, Any] = {"content": delta} if delta else {}
-                finish = c.finish_reason if out.finished else None
-                if streams:
-                    message, finish = self._tool_delta(
-                        streams[i], delta, out.finished, finish, num_calls, i
-                    )
+                else:
+                    if thinking:
+                        reasoning, delta = thinking[i].feed(delta)
+                        if out.finished:
+                            more_reasoning, more = thinking[i].finish()
+                            reasoning, delta = reasoning + more_reasoning, delta + more
+                    message = {"content": delta} if delta else {}
+                    if streams:
+                        message, finish = self._tool_delta(
+                            streams[i], delta, out.finished, finish, num_calls, i
+                        )
                 if reasoning:
                     message = {"reasoning_content": reasoning, "reasoning": reasoning, **message}
-                if (streams or thinking) and not (message or new_lps or out.finished):
-                    continue  # text held back: it may start a call or a tag
+                if (streams or thinking or channels) and not (message or new_lps or out.finished):
+                    continue  # text held back: it may start a call, a tag or a marker
                 choice = {
                     "index": i,
                     "delta": message,
@@ -425,7 +409,6 @@ class ChatHandler:
                 call.to_openai(num_calls[i] + k) for k, call in enumerate(calls)
             ]
             num_calls[i] += len(calls)
-        finish = finish if finished else None
         if finish == "stop" and num_calls[i]:
             finish = "tool_calls"
         return message, reasoning, finish
