@@ -68,6 +68,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # gpt-oss's layers (models/gpt_oss.py): a sink logit per query head, a sliding window.
+        self.sinks: torch.Tensor | None = None
+        self.window: int | None = None
         # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -106,5 +109,7 @@ class PagedAttention(nn.Module):
             meta.max_seq_len,
             plan=meta.attention_plan(),
             tree_mask=meta.tree_mask,
+            sinks=self.sinks,
+            window=self.window,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

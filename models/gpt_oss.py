@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.paged_attention import paged_attention
-from tandem.models.attention import AttentionMetadata, PagedAttention
+from tandem.models.attention import PagedAttention
 from tandem.models.deepseek_v3 import DeepseekV3Model
 from tandem.models.layers import RMSNorm, RowParallelLinear
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
@@ -79,8 +78,8 @@ def dequantize_mxfp4(
 
 class SinkAttention(PagedAttention):
     """Paged attention with one sink logit per query head and an optional sliding window
-    (``paged_attention``'s ``sinks`` / ``window``). The sinks are this rank's heads of
-    ``self_attn.sinks``."""
+    (``paged_attention``'s ``sinks`` / ``window``, which refuses them with draft trees). The
+    sinks are this rank's heads of ``self_attn.sinks``."""
 
     def __init__(
         self,
@@ -101,27 +100,6 @@ class SinkAttention(PagedAttention):
     def load_sinks(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         full = read_loaded(loaded)
         copy_checked(param, full[self.first_head : self.first_head + self.num_heads])
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        if meta.tree_mask is not None:
-            raise RuntimeError("gpt-oss attention does not take draft trees (refused at start)")
-        self.write(k, v, meta)
-        out = paged_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            self.scale,
-            meta.max_query_len,
-            meta.max_seq_len,
-            sinks=self.sinks,
-            window=self.window,
-        )
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 def layer_window(config: Any, layer_index: int) -> int | None:

@@ -401,17 +401,8 @@ class ChatHandler:
             more_reasoning, more_content, more_calls = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
             calls = calls + more_calls
-        if not self.tools.parallel:
-            calls = calls[: max(0, 1 - num_calls[i])]
         message: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            message["tool_calls"] = [
-                call.to_openai(num_calls[i] + k) for k, call in enumerate(calls)
-            ]
-            num_calls[i] += len(calls)
-        if finish == "stop" and num_calls[i]:
-            finish = "tool_calls"
-        return message, reasoning, finish
+        return message, reasoning, self._add_calls(message, calls, finish, num_calls, i)
 
     def _tool_delta(
         self,
@@ -428,16 +419,27 @@ class ChatHandler:
         if finished:
             rest, more = stream.finish()
             content, calls = content + rest, calls + more
-        if not self.tools.parallel:
-            calls = calls[: max(0, 1 - num_calls[i])]
         message: dict[str, Any] = {}
         if content and not (num_calls[i] and not content.strip()):
             message["content"] = content
+        return message, self._add_calls(message, calls, finish, num_calls, i)
+
+    def _add_calls(
+        self,
+        message: dict[str, Any],
+        calls: list[Any],
+        finish: str | None,
+        num_calls: list[int],
+        i: int,
+    ) -> str | None:
+        """Put choice ``i``'s newly complete calls in ``message`` (one in all without parallel
+        calls; OpenAI's shape: index, id, name, arguments); returns the finish reason, "stop"
+        becoming "tool_calls" once the choice made a call."""
+        if not self.tools.parallel:
+            calls = calls[: max(0, 1 - num_calls[i])]
         if calls:
             message["tool_calls"] = [
                 call.to_openai(num_calls[i] + k) for k, call in enumerate(calls)
             ]
             num_calls[i] += len(calls)
-        if finish == "stop" and num_calls[i]:
-            finish = "tool_calls"
-        return message, finish
+        return "tool_calls" if finish == "stop" and num_calls[i] else finish
