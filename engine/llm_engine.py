@@ -190,7 +190,8 @@ class LLMEngine:
         rid = request.request_id
         if rid in self.rank_of or rid in self.structured.pending:
             raise ValueError(f"request id {rid!r} is already in use")
-        self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
+        if p.detokenize:
+            self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
         if p.structured is not None:
             self.structured.submit(request)  # scheduled once its grammar is compiled
             if self.num_spec_tokens:  # the ranks compile it too, meanwhile (masked drafting)
@@ -550,21 +551,27 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
-        detok = self.detok[request.request_id]
+        detok = self.detok.get(request.request_id)  # None: detokenize=False
         n_out = request.num_output_tokens
         if n_out >= p.min_tokens:
             # The token that ends the request is not in its text (as vLLM's): decoded with
             # special tokens kept (markers a parser reads), an EOS would show as its string.
             ended = request.output_token_ids[: None if p.include_stop_str_in_output else -1]
             if not p.ignore_eos and token in request.eos_token_ids:
-                detok.update(ended, False)
+                if detok is not None:
+                    detok.update(ended, False)
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 request.stop_reason = token
-                detok.update(ended, False)
+                if detok is not None:
+                    detok.update(ended, False)
                 return RequestStatus.FINISHED_STOPPED
-        stop = detok.update(
-            request.output_token_ids, p.include_stop_str_in_output, n_out >= p.min_tokens
+        stop = (
+            detok.update(
+                request.output_token_ids, p.include_stop_str_in_output, n_out >= p.min_tokens
+            )
+            if detok is not None
+            else None
         )
         if stop is not None:
             request.stop_reason = stop
@@ -574,12 +581,12 @@ class LLMEngine:
         return None
 
     def _make_output(self, request: Request) -> RequestOutput:
-        detok = self.detok[request.request_id]
+        detok = self.detok.get(request.request_id)
         finished = request.is_finished
         completion = CompletionOutput(
             index=0,
             token_ids=list(request.output_token_ids),
-            text=detok.visible(finished),
+            text=detok.visible(finished) if detok is not None else "",
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,

@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: no output text (token ids only; the text stays "" and nothing is decoded), as
+    # vLLM's; stop strings need the text, so they are refused without it.
+    detokenize: bool = True
     # Constrained generation (JSON schema, regex, ...): see engine/structured_output.py.
     structured: StructuredSpec | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
@@ -74,6 +77,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", self.stop, "stop strings must be non-empty strings")
+        if stop and not self.detokenize:
+            raise bad("stop", self.stop, "stop strings need detokenize=True (they match text)")
         self.stop_strings = stop
         ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in ids):

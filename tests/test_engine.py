@@ -208,6 +208,25 @@ def test_string_prompt_and_text(ckpt: Path) -> None:
         )
 
 
+def test_detokenize_false_keeps_the_tokens_and_leaves_the_text_empty(ckpt: Path) -> None:
+    """As vLLM's: the same tokens, an empty text, and stop strings (which match text) refused;
+    stop token ids still end the request."""
+    greedy = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    with LLM(str(ckpt)) as llm:
+        (text,) = llm.generate("Hello world!", SamplingParams(**greedy))
+        (ids,) = llm.generate("Hello world!", SamplingParams(**greedy, detokenize=False))
+        assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+        assert text.outputs[0].text and ids.outputs[0].text == ""
+        tokens = text.outputs[0].token_ids
+        (stopped,) = llm.generate(
+            "Hello world!", SamplingParams(**greedy, detokenize=False, stop_token_ids=[tokens[2]])
+        )
+        assert stopped.outputs[0].token_ids == tokens[: tokens.index(tokens[2]) + 1]
+        assert stopped.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_block_hash_is_sha256_of_parent_and_token_bytes() -> None:
     """Python's hash() of a token tuple is not collision-resistant: crafted prompts could make
     one request reuse another's KV. Blocks are keyed by SHA-256 (hashlib is the oracle)."""

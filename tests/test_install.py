@@ -86,6 +86,17 @@ def clean_copy(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def write_bytecode() -> Iterator[None]:
+    """The image's venv is installed without bytecode (``--no-compile``, as the stand-in for the
+    image's pip steps below says); where PYTHONDONTWRITEBYTECODE is set (it is on this project's
+    machines) every process in it would compile torch's modules again: the first one writes what
+    it compiles, the others read it (some 30 s of CPU over this module)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+        yield
+
+
 def locked_constraints(path: Path) -> Path:
     """requirements.lock with torch pinned to the build this venv runs (the CPU build here), as
     `make setup` installs it."""

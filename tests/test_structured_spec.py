@@ -372,7 +372,9 @@ def test_distribution_equals_constrained_sampling_without_speculation(
     for run, kwargs in enumerate(({}, {"speculative_config": cfg})):
         # Seeded (distinct seeds per request and per run): the test is deterministic.
         params = [
-            SamplingParams(temperature=1.0, max_tokens=3, structured=spec, seed=run * n + i)
+            SamplingParams(
+                temperature=1.0, max_tokens=3, structured=spec, seed=run * n + i, detokenize=False
+            )
             for i in range(n)
         ]
         with LLM(str(target), max_num_seqs=256, **kwargs) as llm:

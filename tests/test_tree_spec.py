@@ -305,7 +305,9 @@ def _pair_counts(
 ) -> dict[tuple[int, ...], int]:
     """Counts of the first two sampled tokens over n seeded requests of one prompt."""
     batch = [
-        SamplingParams(**params, max_tokens=max_tokens, ignore_eos=True, seed=seed0 + i)
+        SamplingParams(
+            **params, max_tokens=max_tokens, ignore_eos=True, seed=seed0 + i, detokenize=False
+        )
         for i in range(n)
     ]
     outs = llm.generate([[5, 6, 7]] * n, batch)
