@@ -68,6 +68,8 @@ PING_INTERVAL_S = 2.0
 
 class Executor:
     num_blocks: int
+    window: int | None  # the window group's window (None: no sliding-window layers)
+    window_num_blocks: int
     worker: Worker  # the rank that runs in this process (rank 0)
 
     def execute(self, step: StepInput | DPStepInput) -> StepOutput:
@@ -84,6 +86,8 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
+        self.window = self.worker.window  # the window group (engine/block_manager.py)
+        self.window_num_blocks = self.worker.window_num_blocks
 
     def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         return self.worker.execute(step)
@@ -140,6 +144,8 @@ class MultiProcExecutor(Executor):
             self.shutdown()
             raise
         self.num_blocks = self.worker.num_blocks
+        self.window = self.worker.window  # the window group (engine/block_manager.py)
+        self.window_num_blocks = self.worker.window_num_blocks
 
     # ---------------------------------------------------------------- start-up
 

@@ -85,9 +85,12 @@ class LLMEngine:
         # manager per rank; the last blocks of each rank's cache are kept for the dummy request.
         self.dp_size = pc.tensor_parallel_size if pc.enable_attention_dp else 1
         num_blocks = self.executor.num_blocks
+        window_num_blocks = self.executor.window_num_blocks
         # Graph padding also runs dummy requests on those blocks.
         if self.dp_size > 1 or graph_mode(config.device, config.graph_config.enforce_eager):
             num_blocks -= num_dummy_blocks(cc.block_size, lookahead)
+            if window_num_blocks:
+                window_num_blocks -= num_dummy_blocks(cc.block_size, lookahead)
         # A draft head's KV in a block's last slots is computed from the tokens after it: one
         # (Eagle3, MTP), or K (vanilla MTP's K layers); the block's hash covers them. N-gram
         # drafting keeps no draft KV.
@@ -95,7 +98,14 @@ class LLMEngine:
         follow = 0 if sc is None or sc.method in ("ngram", "draft_model", "suffix") else 1
         follow = self.num_spec_tokens if self.vanilla_mtp else follow
         self.block_managers = [
-            BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, follow)
+            BlockManager(
+                num_blocks,
+                cc.block_size,
+                cc.enable_prefix_caching,
+                follow,
+                self.executor.window,
+                window_num_blocks,
+            )
             for _ in range(self.dp_size)
         ]
         self.schedulers = [
@@ -285,6 +295,7 @@ class LLMEngine:
                     token_ids=tokens,
                     start=s.start,
                     block_ids=list(r.block_ids),
+                    window_block_ids=list(r.window_block_ids),
                     sample=sample,
                     params=r.params if sample else None,
                     prompt_token_ids=r.prompt_token_ids if pen else [],

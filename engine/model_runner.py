@@ -67,6 +67,7 @@ class ModelRunner:
         self.model = model
         self.dp_rank = dp_rank
         self.dummy_block_ids: list[int] = []  # attention DP: the reserved blocks (last ones)
+        self.dummy_window_block_ids: list[int] = []  # the same in the window group
         self.graphs: CUDAGraphRunner | None = None  # set by the worker
         self.graph_runner: StepGraphs | None = None  # captured graphs (worker; CUDA)
         self.device = device
@@ -96,27 +97,51 @@ class ModelRunner:
             layers += [(a, draft.dtype) for a in draft.attention_layers()]
         return layers
 
-    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+    def kv_window(self) -> int | None:
+        """The largest window of the target's sliding-window layers, whose KV is the window
+        group's (engine/block_manager.py); None when it has none. A draft's layers keep their
+        whole KV."""
+        windows = [getattr(a, "window", None) for a in self.model.attention_layers()]
+        return max((w for w in windows if w is not None), default=None)
+
+    def in_window_group(self, attn: Any) -> bool:
+        return getattr(attn, "window", None) is not None and any(
+            attn is a for a in self.model.attention_layers()
+        )
+
+    def kv_bytes_per_block(self, dtype: torch.dtype, window_group: bool = False) -> int:
+        """Bytes of one block over every cache layer (``window_group``: the window group's
+        layers only)."""
         return sum(
             a.kv_cache_spec().bytes_per_block(self.block_size, layer_dtype)
             for a, layer_dtype in self.cache_layers(dtype)
+            if not window_group or self.in_window_group(a)
         )
 
-    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, dtype: torch.dtype, window_num_blocks: int = 0
+    ) -> None:
         """The cache tensors each attention layer asks for (``kv_cache_spec``: K and V, or one
-        latent tensor), target layers then draft layers."""
+        latent tensor), target layers then draft layers; the window group's layers get
+        ``window_num_blocks`` blocks."""
         self.kv_caches = []
         for attn, layer_dtype in self.cache_layers(dtype):
             spec = attn.kv_cache_spec()
-            shape = (num_blocks, self.block_size, *spec.token_shape)
+            windowed = window_num_blocks > 0 and self.in_window_group(attn)
+            blocks = window_num_blocks if windowed else num_blocks
+            shape = (blocks, self.block_size, *spec.token_shape)
             caches = tuple(
                 torch.zeros(shape, dtype=layer_dtype, device=self.device)
                 for _ in range(spec.num_tensors)
             )
             attn.bind_kv_cache(caches)
+            attn.window_group = windowed
             self.kv_caches.append(caches)
         n = num_dummy_blocks(self.block_size, self.spec.config.kv_lookahead if self.spec else 0)
         self.dummy_block_ids = list(range(num_blocks - n, num_blocks))
+        self.dummy_window_block_ids = (
+            list(range(window_num_blocks - n, window_num_blocks)) if window_num_blocks else []
+        )
 
     # ---------------------------------------------------------------- inputs
 
@@ -129,6 +154,7 @@ class ModelRunner:
             token_ids=[0] * (1 + k),
             start=0,
             block_ids=list(self.dummy_block_ids),
+            window_block_ids=list(self.dummy_window_block_ids),
             sample=True,
             params=DUMMY_PARAMS,
             num_drafts=k,

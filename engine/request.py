@@ -107,6 +107,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    # Sliding-window layers' blocks, one per entry of block_ids (engine/block_manager.py);
+    # WINDOW_NULL_BLOCK for those that left the window. Empty: the model has no such layers.
+    window_block_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None

@@ -188,7 +188,9 @@ class Scheduler:
 
     def cache_computed_blocks(self, requests: list[Request]) -> None:
         """Register the requests' full, computed blocks for prefix reuse (after the step's
-        tokens are appended and, under speculation, the KV rewound)."""
+        tokens are appended and, under speculation, the KV rewound), then release the window
+        blocks their next queries no longer read."""
         for request in requests:
             if not request.is_finished:
                 self.blocks.cache_full_blocks(request, request.num_computed_tokens)
+                self.blocks.release_left_window(request)

@@ -52,6 +52,9 @@ class RequestStep:
     # Draft trees the engine proposes (method "suffix"): each draft's parent (its index among
     # the drafts, -1: the root), parents first; [] otherwise.
     draft_parents: list[int] = field(default_factory=list)
+    # The window group's blocks (engine/block_manager.py), one per entry of block_ids; empty
+    # when the model has no sliding-window layers.
+    window_block_ids: list[int] = field(default_factory=list)
     # min_tokens: the next min_tokens_left tokens (verified positions and drafts) may not be
     # one of stop_token_ids (EOS unless ignore_eos, and the request's stop_token_ids).
     min_tokens_left: int = 0

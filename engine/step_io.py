@@ -67,6 +67,10 @@ def prepare_step(
     row_last: list[int] = []
     max_blocks = max(len(r.block_ids) for r in step.requests)
     tables: list[list[int]] = []
+    # The window group's table and slots (sliding-window layers), when the model has one.
+    windowed = bool(step.requests[0].window_block_ids)
+    window_tables: list[list[int]] = []
+    window_slots: list[int] = []
     for r in step.requests:
         n = len(r.token_ids)
         ids.extend(r.token_ids)
@@ -77,6 +81,10 @@ def prepare_step(
         seq_lens.append(r.start + n)
         qsl.append(qsl[-1] + n)
         tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        if windowed:
+            wb = r.window_block_ids
+            window_slots.extend(wb[p // bs] * bs + p % bs for p in pos)
+            window_tables.append(wb + [0] * (max_blocks - len(wb)))
         next_tokens.append(r.next_token)
         if vanilla:
             fut = [r.next_token, *r.future_tokens][: k + 1]
@@ -121,6 +129,17 @@ def prepare_step(
         max_seq_len=max_s,
         plan=plan,
     )
+    if windowed:
+        # No plan: the sliding-window layers attend through the reference path, which derives
+        # its indices itself (models/attention.py).
+        meta.window = AttentionMetadata(
+            slot_mapping=t(window_slots, torch.int64),
+            block_tables=t(window_tables, torch.int32),
+            seq_lens=seq_lens_t,
+            query_start_loc=qsl_t,
+            max_query_len=max_q,
+            max_seq_len=max_s,
+        )
     inp = PreparedInputs(
         t(ids, torch.int64),
         t(positions, torch.int64),

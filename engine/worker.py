@@ -52,6 +52,20 @@ def blocks_required(config: EngineConfig) -> tuple[int, int]:
     return per_request, num_dummy_blocks(cc.block_size, lookahead) if dummies else 0
 
 
+def window_group_blocks(config: EngineConfig, window: int) -> int:
+    """Blocks of the window group (sliding-window layers; engine/block_manager.py): each
+    running request holds its window's blocks (``window / block_size + 2``, the window
+    straddling block edges) and its look-ahead's; the step's new tokens need one block per
+    ``block_size`` of the token budget over all requests; one null block, and the dummy
+    requests' blocks (``blocks_required``)."""
+    cc, sc = config.cache_config, config.scheduler_config
+    spec = config.speculative_config
+    lookahead = spec.kv_lookahead if spec is not None else 0
+    per_request = -(-(window + lookahead) // cc.block_size) + 2
+    step = -(-sc.max_num_batched_tokens // cc.block_size)
+    return 1 + sc.max_num_seqs * per_request + step + blocks_required(config)[1]
+
+
 def kv_budget(config: EngineConfig) -> tuple[int, str]:
     """(bytes this rank may spend on the KV cache, the flags that change it). CUDA: a fraction
     of the memory free after the weights loaded; CPU: ``--kv-cache-memory``."""
@@ -73,7 +87,7 @@ def longest_request(config: EngineConfig, num_blocks: int) -> int:
     return (num_blocks - reserved) * config.cache_config.block_size - lookahead
 
 
-def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+def num_kv_blocks(config: EngineConfig, bytes_per_block: int, held_bytes: int = 0) -> int:
     """Blocks that fit the memory budget, capped at what the scheduler could ever use. A budget
     that cannot hold one request of ``max_model_len`` (with the draft look-ahead and the dummy
     requests' blocks) is refused here, naming the longest length that fits and the memory to
@@ -83,6 +97,7 @@ def num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     if cc.num_blocks_override is not None:
         return cc.num_blocks_override
     budget, knob = kv_budget(config)
+    budget -= held_bytes  # the window group's pool (``window_group_blocks``)
     per_request, reserved = blocks_required(config)
     cap = sc.max_num_seqs * per_request + reserved + 1
     blocks = min(budget // bytes_per_block, cap)
@@ -271,9 +286,25 @@ class Worker:
             topk=sc.topk if sc is not None else 1,
         )
         self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
-        self.num_blocks = num_kv_blocks(config, self.bytes_per_block)
+        # Sliding-window layers keep their KV in a pool of their own, sized for the windows
+        # of every running request (engine/block_manager.py); the rest of the budget is the
+        # other layers'.
+        self.window = self.runner.kv_window()
+        self.window_num_blocks = 0
+        window_bytes = 0
+        if self.window is not None:
+            # Never more than one pool for every layer would hold (and the null block).
+            shared = num_kv_blocks(config, self.bytes_per_block) + 1
+            self.window_num_blocks = min(window_group_blocks(config, self.window), shared)
+            window_bytes = self.runner.kv_bytes_per_block(mc.dtype, window_group=True)
+            self.bytes_per_block -= window_bytes
+        self.num_blocks = num_kv_blocks(
+            config, self.bytes_per_block, self.window_num_blocks * window_bytes
+        )
         if agree_num_blocks is not None:
             self.num_blocks = agree_num_blocks(self.num_blocks)
+            if self.window is not None:  # every rank's window group the same size too
+                self.window_num_blocks = agree_num_blocks(self.window_num_blocks)
         # What the engine serves: under --max-model-len auto, what the agreed blocks hold.
         self.max_model_len = fitted_max_model_len(config, self.num_blocks)
         if mc.fit_max_model_len and self.mapping.tp_rank == 0:
@@ -283,7 +314,7 @@ class Worker:
                 self.max_model_len,
                 mc.max_model_len,
             )
-        self.runner.allocate_kv_cache(self.num_blocks, mc.dtype)
+        self.runner.allocate_kv_cache(self.num_blocks, mc.dtype, self.window_num_blocks)
         if mode is not None:  # capture every graph key now (reads the reserved dummy blocks)
             sizes = graph_batch_sizes(
                 config.scheduler_config.max_num_seqs, gc.cuda_graph_batch_sizes
@@ -299,6 +330,13 @@ class Worker:
             config.cache_config.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
         )
+        if self.window is not None:
+            logger.info(
+                "KV cache of the sliding-window layers (window %d): %d blocks (%.1f MiB)",
+                self.window,
+                self.window_num_blocks,
+                self.window_num_blocks * window_bytes / 2**20,
+            )
 
     def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         """A plain step, or (attention DP) every rank's entries, of which this rank runs its own

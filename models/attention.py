@@ -37,6 +37,9 @@ class AttentionMetadata:
     # Draft trees: one int64 attention word per row (kernels/paged_attention.py; 0 = causal
     # row). None: every row is causal.
     tree_mask: torch.Tensor | None = None
+    # The window group's slots and block tables (same rows and lengths), read by the
+    # sliding-window layers whose KV lives in that group (engine/block_manager.py).
+    window: AttentionMetadata | None = None
 
     def attention_plan(self) -> Any:
         """The step's plan (None: the kernels derive their indices themselves)."""
@@ -71,6 +74,9 @@ class PagedAttention(nn.Module):
         # gpt-oss's layers (models/gpt_oss.py): a sink logit per query head, a sliding window.
         self.sinks: torch.Tensor | None = None
         self.window: int | None = None
+        # Set by the model runner when this layer's KV lives in the window group (its blocks
+        # are released as they leave the window): it reads ``meta.window``.
+        self.window_group = False
         # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -81,6 +87,14 @@ class PagedAttention(nn.Module):
     def bind_kv_cache(self, caches: tuple[torch.Tensor, ...]) -> None:
         self.k_cache, self.v_cache = caches
 
+    def group_meta(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The metadata of this layer's KV group."""
+        if not self.window_group:
+            return meta
+        if meta.window is None:
+            raise RuntimeError("a window-group layer's step has no window-group block tables")
+        return meta.window
+
     def write(
         self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, attend: bool = False
     ) -> None:
@@ -89,6 +103,7 @@ class PagedAttention(nn.Module):
         if one was built already (the write needs none)."""
         if self.k_cache.numel() == 0:
             raise RuntimeError("KV cache is not bound to this attention layer")
+        meta = self.group_meta(meta)
         plan = meta.attention_plan() if attend or not callable(meta.plan) else None
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=plan)
 
@@ -97,6 +112,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → [T, H * D]."""
         self.write(k, v, meta, attend=True)
+        meta = self.group_meta(meta)
         out = paged_attention(
             q,
             self.k_cache,

@@ -22,8 +22,9 @@ The sinks and sliding windows run in the Triton attention kernel (CUDA, and CPU 
 the interpreter) and in ``paged_attention_reference`` on CPUs; the CPU fast path and draft
 trees do not take them yet, and the experts loop over the experts a step routes to (a host
 read: no CUDA graph), so the engine refuses gpt-oss on CUDA and with draft trees
-(``check_gpt_oss``), and the fast path skips its layers (they are not plain Llama layers). Every layer keeps its whole KV (a sliding layer does not free blocks
-that left its window).
+(``check_gpt_oss``), and the fast path skips its layers (they are not plain Llama layers). The
+sliding layers' KV is the block manager's window group (engine/block_manager.py): its blocks are
+released as they leave the window.
 """
 
 from __future__ import annotations

@@ -101,6 +101,48 @@ def test_two_ranks_and_eagle3_equal_one_rank_plain(ckpts: dict[str, Path]) -> No
     assert sum(o.spec_stats.num_draft_tokens for o in runs[1]) > 0
 
 
+def _window_blocks_per_step(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple:
+    """One request stepped to the end: its output, and the window group's blocks in use
+    (counted through the block manager) after every step."""
+    engine = llm.engine
+    engine.add_request("long", prompt, params)
+    held, outs = [], []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+        held.append(engine.block_manager.num_used_window_blocks)
+    return outs[0], held
+
+
+@pytest.mark.timeout(300)
+def test_sliding_layers_keep_only_their_window(ckpts: dict[str, Path]) -> None:
+    """A prompt of almost five windows, prefilled in 64-token chunks: between steps the
+    sliding layers' pool holds at most window / block_size + 1 blocks (with an Eagle3 head,
+    its look-ahead's block more), the full layers' pool every block, and the output equals
+    transformers'; the same prompt again reuses its cached prefix with the same output, and
+    every block is free at the end."""
+    prompt = torch.randint(3, 250, (600,), generator=torch.Generator().manual_seed(2)).tolist()
+    (ref,) = hf_greedy(ckpts["bf16"], [prompt], NEW_TOKENS)
+    spec = {"method": "eagle3", "model": str(ckpts["eagle3"]), "num_speculative_tokens": 3}
+    for kw in ({}, {"speculative_config": spec}):
+        with LLM(
+            str(ckpts["bf16"]), dtype="float32", max_model_len=1024, max_num_batched_tokens=64,
+            **kw,
+        ) as llm:  # fmt: skip
+            bm = llm.engine.block_manager
+            window, bs = 128, bm.block_size
+            assert bm.window == window and bs == 16
+            lookahead = llm.engine.executor.worker.runner.spec.config.kv_lookahead if kw else 0
+            bound = window // bs + 1 + -(-lookahead // bs)
+            out, held = _window_blocks_per_step(llm, prompt, GREEDY)
+            assert max(held) <= bound and bm.num_used_window_blocks == 0, (bound, held)
+            assert out.outputs[0].token_ids == ref["tokens"]
+            lps = [lp.logprob for lp in out.outputs[0].logprobs]
+            assert max(abs(a - b) for a, b in zip(lps, ref["logprobs"], strict=True)) < 1e-4
+            again, _ = _window_blocks_per_step(llm, prompt, GREEDY)
+            assert again.num_cached_tokens >= 512 and again.outputs[0].token_ids == ref["tokens"]
+            assert bm.num_used_blocks == bm.num_used_window_blocks == 0
+
+
 def _broken_copy(src: Path, dst: Path, edit: Any) -> Path:
     import shutil
 
