@@ -967,7 +967,7 @@ class EngineArgs:
         if getattr(hf_config, "model_type", None) == "gpt_oss":
             from tandem.models.gpt_oss import check_gpt_oss
 
-            check_gpt_oss(device, spec is not None and spec.is_tree)
+            check_gpt_oss(device)
         if spec is not None and spec.draft_quantization != "none":
             # Its int8 blocks are read by the CPU fast path's products only (one rank).
             where = "a CPU device" if device.type != "cpu" else None

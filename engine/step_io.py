@@ -154,16 +154,23 @@ def prepare_step(
             inp.row_req = t(row_req, torch.int64)
             inp.row_last = t(row_last, torch.int64)
         if sampled:
-            inp.layout = verify_layout(step, k, tables, max_s, t)
+            inp.layout = verify_layout(step, k, tables, max_s, t, window_tables)
     return inp
 
 
 def verify_layout(
-    step: StepInput, k: int, tables: list[list[int]], max_s: int, t: Any
+    step: StepInput,
+    k: int,
+    tables: list[list[int]],
+    max_s: int,
+    t: Any,
+    window_tables: list[list[int]] | None = None,
 ) -> VerifyLayout:
-    """Where each sampled request's K + 1 verify rows, drafts and block table sit in the
-    step's rows (``t``: a host list to a device tensor)."""
+    """Where each sampled request's K + 1 verify rows, drafts and block table (and the window
+    group's, when ``window_tables`` is not empty) sit in the step's rows (``t``: a host list to
+    a device tensor)."""
     rows, drafts, num_drafts, first_rows, first_pos, sampled_tables = [], [], [], [], [], []
+    sampled_window_tables = []
     owner: list[int] = []
     offset = 0
     for i, r in enumerate(step.requests):
@@ -178,6 +185,8 @@ def verify_layout(
             first_rows.append(first)
             first_pos.append(r.start + n - 1 - r.num_drafts)
             sampled_tables.append(tables[i])
+            if window_tables:
+                sampled_window_tables.append(window_tables[i])
         offset += n
     return VerifyLayout(
         rows=t(rows, torch.int64),
@@ -188,4 +197,7 @@ def verify_layout(
         block_tables=t(sampled_tables, torch.int32),
         row_owner=t(owner, torch.int64),
         max_seq_len=max_s + k,
+        window_block_tables=(
+            t(sampled_window_tables, torch.int32) if sampled_window_tables else None
+        ),
     )

@@ -31,7 +31,7 @@ def paged_attention_reference(
 
     ``sinks`` [H]: one learned logit per query head that joins the softmax's denominator and
     attends to nothing (gpt-oss). ``window``: a query at position p sees keys at p - window + 1
-    .. p only (sliding-window layers)."""
+    .. p only (sliding-window layers); a tree row's p is its root's position plus its depth."""
     del max_query_len, max_seq_len  # derived per sequence here
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
@@ -53,15 +53,19 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [H, ql, L]
         q_pos = torch.arange(seq_len - ql, seq_len, device=q.device)
         causal = pos[None, :] <= q_pos[:, None]  # [ql, L]
+        # A tree row's position is its root's plus its depth (its word's bits: its ancestors
+        # and itself, the root included), as a query and as a key (the window's test).
+        ctx = seq_len - ql
+        key_pos = pos.clone()
         if tree_mask is not None:
-            ctx = seq_len - ql
             for j, word in enumerate(tree_mask[start:end].tolist()):
                 if word != 0:
                     rows = [i for i in range(min(j + 1, 64)) if (word >> i) & 1]
                     causal[j, ctx:] = False
                     causal[j, [ctx + i for i in rows]] = True
+                    key_pos[ctx + j] = ctx + len(rows) - 1
         if window is not None:
-            causal &= pos[None, :] > q_pos[:, None] - window
+            causal &= key_pos[None, :] > key_pos[ctx:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
         if sinks is not None:
             sink = sinks.float()[:, None, None].expand(-1, ql, 1)  # [H, ql, 1]

@@ -115,7 +115,7 @@ def paged_attention(
     a nonzero word; a `plan` must have been built with it. `sinks` [num_heads] (one logit per
     query head in the softmax's denominator) and `window` (a row at position p sees keys
     p - window + 1 .. p): gpt-oss's layers, in the Triton kernel or `paged_attention_reference`
-    (the PyTorch path's plans do not take them); not with `tree_mask`.
+    (the PyTorch path's plans do not take them); with `tree_mask` in the reference only.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -129,10 +129,10 @@ def paged_attention(
             f"tree_mask must be int64 [num_tokens] = [{q.shape[0]}], got "
             f"{tree_mask.dtype} {list(tree_mask.shape)}"
         )
-    if (sinks is not None or window is not None) and tree_mask is not None:
-        raise ValueError("sinks and sliding windows do not take a tree mask")
     if use_triton is None:
         use_triton = gpu_paths(q) and HAS_TRITON
+    if (sinks is not None or window is not None) and tree_mask is not None and use_triton:
+        raise ValueError("the Triton kernel's sinks and sliding windows do not take a tree mask")
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
@@ -160,6 +160,7 @@ def paged_attention(
             scale,
             max_query_len,
             max_seq_len,
+            tree_mask=tree_mask,
             sinks=sinks,
             window=window,
         )

@@ -19,12 +19,12 @@ exponents biased by 127) are dequantized at load; a bf16 checkpoint's ``gate_up_
 as for DeepSeek-V3 (models/moe.py), with its collectives under TP and attention DP.
 
 The sinks and sliding windows run in the Triton attention kernel (CUDA, and CPU tests through
-the interpreter) and in ``paged_attention_reference`` on CPUs; the CPU fast path and draft
-trees do not take them yet, and the experts loop over the experts a step routes to (a host
-read: no CUDA graph), so the engine refuses gpt-oss on CUDA and with draft trees
-(``check_gpt_oss``), and the fast path skips its layers (they are not plain Llama layers). The
-sliding layers' KV is the block manager's window group (engine/block_manager.py): its blocks are
-released as they leave the window.
+the interpreter; chains) and in ``paged_attention_reference`` on CPUs (chains and draft trees);
+the CPU fast path does not take them yet, and the experts loop over the experts a step routes
+to (a host read: no CUDA graph), so the engine refuses gpt-oss on CUDA (``check_gpt_oss``), and
+the fast path skips its layers (they are not plain Llama layers). The sliding layers' KV is the
+block manager's window group (engine/block_manager.py): its blocks are released as they leave
+the window.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def dequantize_mxfp4(
 
 class SinkAttention(PagedAttention):
     """Paged attention with one sink logit per query head and an optional sliding window
-    (``paged_attention``'s ``sinks`` / ``window``, which refuses them with draft trees). The
+    (``paged_attention``'s ``sinks`` / ``window``; with draft trees in the reference only). The
     sinks are this rank's heads of ``self_attn.sinks``."""
 
     def __init__(
@@ -224,17 +224,13 @@ class GptOssModel(DeepseekV3Model):
     layer_cls = GptOssDecoderLayer  # type: ignore[assignment]
 
 
-def check_gpt_oss(device: torch.device, tree_drafts: bool) -> None:
+def check_gpt_oss(device: torch.device) -> None:
     """What gpt-oss does not run on yet, refused at start."""
     if device.type != "cpu":
         raise ValueError(
-            "gpt-oss runs on CPU devices only for now: its attention sinks and sliding windows "
-            "are in the torch path, not yet in the Triton kernels (--device cpu)"
-        )
-    if tree_drafts:
-        raise ValueError(
-            "gpt-oss does not take draft trees yet (sliding windows in tree attention): use a "
-            "chain (speculative_config topk 1, method other than 'suffix')"
+            "gpt-oss runs on CPU devices only for now: its experts loop over the experts a step "
+            "routes to (a host read, no CUDA graph) and its tree attention with sliding windows "
+            "is in the torch path only (--device cpu)"
         )
 
 

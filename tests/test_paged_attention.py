@@ -183,6 +183,44 @@ def test_reference_sinks_and_window_match_transformers_gpt_oss_attention(window)
     assert not torch.allclose(got, plain, atol=1e-3)  # the sinks (and window) matter here
 
 
+def test_reference_tree_rows_with_window_equal_their_paths_attended_causally():
+    """Draft trees on gpt-oss's layers: a tree row at depth d is at its root's position + d,
+    and sees the context in its window and its ancestors; the same as the causal reference
+    (checked against transformers above) over the context followed by that row's path."""
+    from tandem.engine.speculative.tree import ancestor_mask, tree_attention_words
+
+    ctx, n, heads, kv_heads, window = 12, 7, 4, 2, 5
+    b = make_batch([(ctx, n + 1)], heads, kv_heads, 16, block_size=4, seed=3)
+    parents = torch.tensor([-1, 0, 0, 1, -1, 3, 5])  # depths 1..4 and siblings
+    anc = ancestor_mask(parents[None], n)
+    words = tree_attention_words(anc)[0]
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7))
+    got = paged_attention_reference(*b.args(), tree_mask=words, sinks=sinks, window=window)
+    pos = torch.arange(ctx + n + 1)
+    slots = b.block_tables[0, pos // 4].long() * 4 + pos % 4
+    keys, values = b.k_cache.flatten(0, 1)[slots], b.v_cache.flatten(0, 1)[slots]
+    depths = set()
+    for row in range(n + 1):
+        path = [i for i in range(n + 1) if (int(words[row]) >> i) & 1]
+        idx = torch.tensor(list(range(ctx)) + [ctx + i for i in path])
+        one = paged_attention_reference(
+            b.q[row : row + 1],
+            keys[idx][:, None],  # one key per block: block i holds key i
+            values[idx][:, None],
+            torch.arange(len(idx), dtype=torch.int32)[None],
+            torch.tensor([len(idx)], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32),
+            b.scale,
+            1,
+            len(idx),
+            sinks=sinks,
+            window=window,
+        )
+        torch.testing.assert_close(got[row], one[0], atol=1e-5, rtol=1e-5)
+        depths.add(len(path))
+    assert max(depths) > window  # a row deep enough that its window leaves the root behind
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU PyTorch path
 # ---------------------------------------------------------------------------------------------

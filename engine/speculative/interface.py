@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -139,3 +139,5 @@ class VerifyLayout:
     block_tables: Tensor  # [B, max_blocks] of the sampled requests
     row_owner: Tensor  # [T] index of the sampled request owning each row, -1 for other rows
     max_seq_len: int  # host bound on any sampled request's KV length after the draft loop
+    # [B, max_blocks] the window group's tables (sliding-window layers), None without one.
+    window_block_tables: Tensor | None = field(default=None, kw_only=True)

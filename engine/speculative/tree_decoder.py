@@ -202,7 +202,13 @@ class TreeDecoder(SpecDecoder):
         plan = meta.plan
         if isinstance(plan, partial):
             plan = partial(plan.func, *plan.args, **{**plan.keywords, "tree_mask": tree_mask})
-        inp.target = (positions, dataclasses.replace(meta, tree_mask=tree_mask, plan=plan))
+        window = meta.window  # the window group's rows are the same rows (models/attention.py)
+        if window is not None:
+            window = dataclasses.replace(window, tree_mask=tree_mask)
+        inp.target = (
+            positions,
+            dataclasses.replace(meta, tree_mask=tree_mask, plan=plan, window=window),
+        )
 
     def tree_shapes(
         self, sampled: list[Any], device: torch.device
@@ -272,11 +278,16 @@ class TreeDecoder(SpecDecoder):
         return acc.num_accepted, tokens
 
     def compact(self, layout: VerifyLayout, acc: TreeAcceptance) -> None:
-        """Move the accepted nodes' target KV to the positions a chain would have used."""
-        src, dst = compaction_slots(
-            layout.block_tables, layout.positions, acc.path, acc.num_accepted, self.block_size
-        )
+        """Move the accepted nodes' target KV to the positions a chain would have used (in
+        each layer's KV group: the window group's layers through its tables)."""
+        moves = {}
+        for name, tables in (("full", layout.block_tables), ("window", layout.window_block_tables)):
+            if tables is not None:
+                moves[name] = compaction_slots(
+                    tables, layout.positions, acc.path, acc.num_accepted, self.block_size
+                )
         for attn in self.target_layers:
+            src, dst = moves["window" if getattr(attn, "window_group", False) else "full"]
             for cache in layer_caches(attn):
                 copy_kv_slots(cache, src, dst)
 
