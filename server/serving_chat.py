@@ -148,9 +148,10 @@ class ChatHandler:
         self.harmony = harmony.is_harmony_template(self._template())
         if self.harmony:
             self._refuse_for_harmony(params)
-        call_format = "hermes" if self.harmony else self._call_format()
-        special = self.state.special_tokens(MARKERS.get(call_format, ()))
-        forced = None if self.harmony else self.tools.grammar(call_format, special)
+        call_format = "harmony" if self.harmony else self._call_format()
+        markers = harmony.MARKERS if self.harmony else MARKERS.get(call_format, ())
+        special = self.state.special_tokens(markers)
+        forced = self.tools.grammar(call_format, special)
         if forced is not None:
             params = dataclasses.replace(params, structured=forced)
         kwargs = {**self.state.settings.default_chat_template_kwargs}
@@ -204,13 +205,8 @@ class ChatHandler:
 
     def _refuse_for_harmony(self, params: SamplingParams) -> None:
         """What the harmony format does not take yet: a grammar over the whole output would
-        stop the model from writing its channels."""
-        if self.tools.forced:
-            raise bad_request(
-                "tool_choice 'required' or a named function is not supported for models that "
-                "write the harmony format (gpt-oss) yet; use 'auto'",
-                "tool_choice",
-            )
+        stop the model from writing its channels (forced calls have a grammar in harmony's
+        own syntax: server/tool_grammar.py)."""
         if params.structured is not None:
             raise bad_request(
                 "structured outputs (response_format, structured_outputs) are not supported for "

@@ -83,6 +83,8 @@ def forced_calls_grammar(
     for a parameters schema a per-argument format cannot write. ``special``: the format's
     markers the tokenizer holds as special tokens (GLM-4.5's ``<tool_call>``, ``<arg_key>``,
     ...): the grammar writes those as the token, which is how the model writes them."""
+    if call_format == "harmony":
+        return _harmony_grammar(funcs, special)
     if call_format not in _CALL:
         raise ValueError(f"no forced-call grammar for the tool-call format {call_format!r}")
     before, after, between = _CALL[call_format]
@@ -95,6 +97,30 @@ def forced_calls_grammar(
     calls = f"call ({_seq(lit(between), 'call')})*" if parallel else "call"
     head, tail = _MESSAGE.get(call_format, ("", ""))
     lines.insert(0, f"start: {_seq(lit(head), calls, lit(tail))}")
+    return "\n".join(lines)
+
+
+def _harmony_grammar(funcs: list[tuple[int, dict[str, Any]]], special: frozenset[str]) -> str:
+    """A forced call in the harmony format (gpt-oss; server/harmony.py), after the prompt's
+    ``<|start|>assistant``: an optional ``analysis`` message (the model's reasoning), then the
+    ``commentary`` message to ``functions.NAME`` whose body is the arguments' JSON, ended by
+    ``<|call|>``. ``<|call|>`` ends the turn, so a turn holds one call whatever
+    ``parallel_tool_calls`` says (the model calls again after the result)."""
+    from tandem.server.harmony import CALL, CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, START
+
+    lit = partial(_lit, special=special)
+    text, tag = _split_close(END, special)
+    names = " | ".join(f"f{k}" for k in range(len(funcs)))
+    lines = [
+        f"start: analysis? {lit(f'{CHANNEL}commentary to={FUNCTIONS}')} ({names}) {lit(CALL)}",
+        f"analysis: {lit(f'{CHANNEL}analysis{MESSAGE}')} REASONING {lit(tag)} "
+        f"{lit(f'{START}assistant')}",
+        f"REASONING: {_raw_text({}, text, closed_by_token=bool(tag))}",
+    ]
+    for k, (_, f) in enumerate(funcs):
+        params = f.get("parameters") or {"type": "object"}
+        header = f"{f['name']} {CONSTRAIN}json{MESSAGE}"
+        lines.append(f"f{k}: {lit(header)} {_json(params)}")
     return "\n".join(lines)
 
 

@@ -4,7 +4,9 @@ them split into reasoning (``analysis``), content (``final`` and preambles) and 
 and three deltas; over HTTP with the official ``openai`` client on a scripted tiny model with a
 harmony chat template whose markers are special tokens (so the server must keep them in the
 text): a call with its reasoning, streamed and not, the round trip of its result, the
-reasoning effort reaching the template, and what the format does not take yet refused."""
+reasoning effort reaching the template, and what the format does not take yet refused; a forced
+call written under harmony's own grammar (tokens as gpt-oss's, markers special) through the
+engine."""
 
 from __future__ import annotations
 
@@ -205,11 +207,58 @@ def test_reasoning_effort_reaches_the_template(server: RemoteServer) -> None:
 def test_what_the_format_does_not_take_yet_is_a_400(server: RemoteServer) -> None:
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Weather in Rome?"}]
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(
-            model="m", messages=messages, tools=[TOOL], tool_choice="required"
-        )
     with pytest.raises(openai.BadRequestError, match="structured outputs"):
         client.chat.completions.create(
             model="m", messages=messages, response_format={"type": "json_object"}
         )
+
+
+# The forced call's tokens as gpt-oss writes them: every marker its special token, the JSON in
+# pieces (llguidance's masks never allow a token that runs from a nested JSON grammar's opening
+# brace into its next lexeme, such as '{"', although the grammar accepts it).
+FORCED = (
+    "<|channel|>",
+    "commentary to=functions.get_weather ",
+    "<|constrain|>",
+    "json",
+    "<|message|>",
+    "{",
+    '"city',
+    '":"',
+    "Rome",
+    '"}',
+    "<|call|>",
+)
+
+
+def test_a_forced_call_is_written_in_harmony(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tool_choice "required" and a named function on a harmony model: the grammar in
+    harmony's syntax (server/tool_grammar.py), the markers as the tokenizer's special tokens,
+    over HTTP on a scripted model that writes a call to get_weather as gpt-oss's tokens would:
+    "required" keeps its call; naming get_time makes it call get_time (the grammar, not the
+    model, chose the name), with finish_reason "tool_calls" and no content."""
+    other = "commentary to=functions.get_time "
+    script = Script(
+        sequences=(("assistant", *FORCED),), extra=(*PROMPT_WORDS, other), special=MARKERS
+    )
+    folder = build_scripted_model(
+        tmp_path_factory.mktemp("forced") / "model", script, GPT_OSS_TEMPLATE
+    )
+    time_tool = {"type": "function", "function": {**TOOL["function"], "name": "get_time"}}
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with RemoteServer(folder, ["--served-model-name", "m"]) as server:
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+        for choice, name in (("required", "get_weather"), (named, "get_time")):
+            out = client.chat.completions.create(
+                model="m",
+                messages=messages,
+                tools=[TOOL, time_tool],
+                tool_choice=choice,
+                temperature=0,
+            )
+            answer = out.choices[0]
+            assert answer.finish_reason == "tool_calls" and not answer.message.content
+            (call,) = answer.message.tool_calls
+            assert call.function.name == name
+            assert json.loads(call.function.arguments) == {"city": "Rome"}

@@ -424,3 +424,82 @@ def test_markers_the_tokenizer_holds_as_special_tokens_are_written_as_those_toke
     # Without the special set the grammar is the byte-spelled one (a tokenizer without them).
     plain = plan(False).grammar("glm45")
     assert plain is not None and "<tool_call>" not in plain.text.replace('"<tool_call>', "")
+
+
+HARMONY_SPECIAL = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|call|>",
+)
+
+
+class _BytesAndHarmony(_Bytes):
+    """The byte tokenizer plus harmony's markers as special tokens (as gpt-oss's has them)."""
+
+    tokens = [*_Bytes.tokens, *(m.encode() for m in HARMONY_SPECIAL)]
+    special_token_ids = [256, *range(257, 257 + len(HARMONY_SPECIAL))]
+
+
+def _harmony_call(name: str, args: dict, reasoning: str | None = None) -> str:
+    """A forced call as gpt-oss writes it after the prompt's ``<|start|>assistant``."""
+    head = "" if reasoning is None else (
+        f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant"
+    )  # fmt: skip
+    return (
+        f"{head}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+        f"{_json(args)}<|call|>"
+    )
+
+
+def test_harmony_forced_calls_are_written_in_harmony(bytes_tokenizer) -> None:
+    """gpt-oss's forced call: an optional analysis message, then the commentary message to
+    functions.NAME with the arguments' JSON, ended by <|call|> (which ends the turn: one call),
+    the markers as their special tokens; it parses back with the harmony reader. Not a final
+    answer, another function, arguments outside the schema, two calls, nor the markers spelled
+    out in bytes; with markers the tokenizer does not hold as special, the byte-spelled form,
+    whose reasoning cannot hold <|end|>."""
+    from tandem.server import harmony
+
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesAndHarmony()))
+
+    def ids(text: str) -> list[int]:
+        out: list[int] = []
+        while text:
+            marker = next((m for m in HARMONY_SPECIAL if text.startswith(m)), None)
+            out += [257 + HARMONY_SPECIAL.index(marker)] if marker else list(text[0].encode())
+            text = text[len(marker) :] if marker else text[1:]
+        return out
+
+    def accepted(p: ToolPlan, tokens: list[int], tokenizer: Any = ll, special: bool = True) -> bool:
+        spec = p.grammar("harmony", frozenset(HARMONY_SPECIAL) if special else frozenset())
+        assert spec is not None
+        matcher = llguidance.LLMatcher(tokenizer, to_grammar(spec), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return (
+            matcher.validate_tokens(tokens) == len(tokens)
+            and matcher.consume_tokens(tokens)
+            and matcher.is_accepting()
+        )
+
+    for name, args in GOOD:
+        for reasoning in (None, "", 'They want <b>"weather"</b>.\nCall it.'):
+            text = _harmony_call(name, args, reasoning)
+            assert accepted(plan(), ids(text)), text
+            assert accepted(plan(name=name), ids(text)), text
+            assert not accepted(plan(), list(text.encode())), text  # markers spelled in bytes
+            assert accepted(plan(), list(text.encode()), bytes_tokenizer, special=False), text
+            read = harmony.parse(text.removesuffix("<|call|>"))
+            assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [(name, args)]
+            assert read.reasoning == (reasoning or "") and read.content == ""
+    other = "run_query" if GOOD[0][0] == "get_weather" else "get_weather"
+    assert not accepted(plan(name=other), ids(_harmony_call(*GOOD[0])))
+    final = "<|channel|>final<|message|>It is sunny.<|return|>"
+    assert not accepted(plan(), ids(final) + [256])
+    assert not accepted(plan(), ids(_harmony_call("get_weather", {"city": "Rome", "days": 2})))
+    two = _harmony_call(*GOOD[0]) + "<|start|>assistant" + _harmony_call(*GOOD[1])
+    assert not accepted(plan(), ids(two))
+    spelled = _harmony_call(*GOOD[0], reasoning="a <|end|> b")
+    assert not accepted(plan(), list(spelled.encode()), bytes_tokenizer, special=False)
