@@ -129,16 +129,26 @@ def prepare_step(
         max_seq_len=max_s,
         plan=plan,
     )
-    if windowed:
-        # No plan: the sliding-window layers attend through the reference path, which derives
-        # its indices itself (models/attention.py).
+    if windowed:  # the window group's tables, slots and CPU plan (models/attention.py)
+        window_tables_t = t(window_tables, torch.int32)
+        window_slots_t = t(window_slots, torch.int64)
         meta.window = AttentionMetadata(
-            slot_mapping=t(window_slots, torch.int64),
-            block_tables=t(window_tables, torch.int32),
+            slot_mapping=window_slots_t,
+            block_tables=window_tables_t,
             seq_lens=seq_lens_t,
             query_start_loc=qsl_t,
             max_query_len=max_q,
             max_seq_len=max_s,
+            plan=(
+                partial(
+                    plan.func,
+                    window_tables_t,
+                    *plan.args[1:],
+                    **{**plan.keywords, "slot_mapping": window_slots_t},
+                )
+                if plan is not None
+                else None
+            ),
         )
     inp = PreparedInputs(
         t(ids, torch.int64),

@@ -249,3 +249,72 @@ def paged_attention_torch(
         return out.reshape(num_tokens, num_heads, head_dim)
     out = out.view(B, num_kv_heads, Q, group, head_dim).transpose(1, 2)  # [B, Q, Hkv, G, D]
     return out.reshape(B * Q, num_heads, head_dim).index_select(0, plan.pad_idx)
+
+
+def paged_attention_sinks_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    sinks: Tensor | None = None,
+    window: int | None = None,
+    tree_mask: Tensor | None = None,
+) -> Tensor:
+    """gpt-oss's layers on the PyTorch path: the plan's gathered keys and mask (causal, length,
+    a tree's when it was built with ``tree_mask``) narrowed to the last ``window`` positions,
+    and each head's sink logit as one more softmax column that attends to nothing; fp32
+    scores. A tree row is at its root's position plus its depth, as a query and as a key (the
+    window's test). Same results as ``paged_attention_reference``, batched instead of one
+    sequence at a time."""
+    if plan.tree != (tree_mask is not None):
+        raise ValueError("the plan and tree_mask disagree on whether the step has a tree")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    B, Q, S = plan.num_seqs, plan.max_query_len, plan.max_seq_len
+    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    k = k.view(B, S, num_kv_heads, head_dim).float()
+    v = v.view(B, S, num_kv_heads, head_dim).float()
+    if plan.pad_idx is None:  # one query token per sequence
+        q_pad = q.reshape(B, 1, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(B * Q, num_heads, head_dim).index_copy_(0, plan.pad_idx, q)
+        q_pad = q_pad.view(B, Q, num_heads, head_dim)
+    rows = q_pad.shape[1]
+    q_g = q_pad.view(B, rows, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bqkgd,bskd->bkqgs", q_g, k) * scale  # [B, Hkv, Q, G, S]
+    lens = seq_lens.long()
+    ctx = lens - (query_start_loc[1:] - query_start_loc[:-1]).long()
+    q_pos = ctx[:, None] + torch.arange(rows, device=q.device)  # [B, Q]; padded rows: past the end
+    pos = torch.arange(S, device=q.device)
+    if plan.mask is not None:
+        seen = plan.mask[:, 0, :rows]  # [B, Q, S]
+    else:
+        seen = (pos <= q_pos[:, :, None]) & (pos < lens[:, None, None])
+    if window is not None:
+        key_pos = pos.expand(B, S)
+        if tree_mask is not None:
+            words = tree_mask.long()
+            if plan.pad_idx is not None:
+                words = words.new_zeros(B * Q).index_copy_(0, plan.pad_idx, words)
+            words = words.view(B, rows)
+            depth = sum(((words >> i) & 1) for i in range(min(rows, 64))) - 1
+            q_pos = torch.where(words != 0, ctx[:, None] + depth, q_pos)
+            rel = pos - ctx[:, None]  # [B, S]: the key's row among the queries
+            inside = (rel >= 0) & (rel < rows)
+            key_pos = torch.where(inside, q_pos.gather(1, rel.clamp(0, rows - 1)), key_pos)
+        seen = seen & (key_pos[:, None, :] > q_pos[:, :, None] - window)
+    scores.masked_fill_(~seen[:, None, :, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, 1, group, 1).expand(B, -1, rows, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkqgs,bskd->bqkgd", probs, v).reshape(B * rows, num_heads, head_dim)
+    if plan.pad_idx is not None:
+        out = out.index_select(0, plan.pad_idx)
+    return out.to(q.dtype)

@@ -29,7 +29,7 @@ from torch import Tensor
 from tandem.kernels.attention_torch import (
     AttentionPlan,
     build_attention_plan,
-    paged_attention_reference,
+    paged_attention_sinks_torch,
     paged_attention_torch,
 )
 from tandem.kernels.attention_triton import paged_attention_triton, write_kv_cache_triton
@@ -114,8 +114,8 @@ def paged_attention(
     `tree_mask` [num_tokens] int64 (see the module docstring): tree attention for the rows with
     a nonzero word; a `plan` must have been built with it. `sinks` [num_heads] (one logit per
     query head in the softmax's denominator) and `window` (a row at position p sees keys
-    p - window + 1 .. p): gpt-oss's layers, in the Triton kernel or `paged_attention_reference`
-    (the PyTorch path's plans do not take them); with `tree_mask` in the reference only.
+    p - window + 1 .. p): gpt-oss's layers, in the Triton kernel (no `tree_mask`) or on the
+    PyTorch path (`paged_attention_sinks_torch`).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -149,21 +149,6 @@ def paged_attention(
             sinks,
             window,
         )
-    if sinks is not None or window is not None:
-        return paged_attention_reference(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len,
-            max_seq_len,
-            tree_mask=tree_mask,
-            sinks=sinks,
-            window=window,
-        )
     if plan is None:
         plan = build_attention_plan(
             block_tables,
@@ -184,5 +169,9 @@ def paged_attention(
         raise ValueError(
             f"plan was built for {plan.num_tokens} tokens / block_size {plan.block_size}, "
             f"got {q.shape[0]} tokens / block_size {k_cache.shape[1]}"
+        )
+    if sinks is not None or window is not None:
+        return paged_attention_sinks_torch(
+            q, k_cache, v_cache, plan, scale, seq_lens, query_start_loc, sinks, window, tree_mask
         )
     return paged_attention_torch(q, k_cache, v_cache, plan, scale)

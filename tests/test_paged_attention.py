@@ -186,7 +186,8 @@ def test_reference_sinks_and_window_match_transformers_gpt_oss_attention(window)
 def test_reference_tree_rows_with_window_equal_their_paths_attended_causally():
     """Draft trees on gpt-oss's layers: a tree row at depth d is at its root's position + d,
     and sees the context in its window and its ancestors; the same as the causal reference
-    (checked against transformers above) over the context followed by that row's path."""
+    (checked against transformers above) over the context followed by that row's path, and
+    the batched PyTorch path the same as the reference."""
     from tandem.engine.speculative.tree import ancestor_mask, tree_attention_words
 
     ctx, n, heads, kv_heads, window = 12, 7, 4, 2, 5
@@ -196,6 +197,8 @@ def test_reference_tree_rows_with_window_equal_their_paths_attended_causally():
     words = tree_attention_words(anc)[0]
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7))
     got = paged_attention_reference(*b.args(), tree_mask=words, sinks=sinks, window=window)
+    batched = paged_attention(*b.args(), tree_mask=words, sinks=sinks, window=window)
+    torch.testing.assert_close(batched, got, atol=1e-5, rtol=1e-5)  # the PyTorch path
     pos = torch.arange(ctx + n + 1)
     slots = b.block_tables[0, pos // 4].long() * 4 + pos % 4
     keys, values = b.k_cache.flatten(0, 1)[slots], b.v_cache.flatten(0, 1)[slots]
@@ -237,6 +240,24 @@ def test_torch_path_matches_reference(scenario, heads, block_size, head_dim, dty
     b = make_batch(SCENARIOS[scenario], num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     out = paged_attention(*b.args())
     assert_close(out, paged_attention_reference(*b.args()), dtype)
+
+
+@pytest.mark.parametrize(
+    ("sinks", "window"), [(True, None), (False, 5), (True, 5)], ids=["sinks", "window", "both"]
+)
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_torch_path_sinks_and_window_match_reference(scenario, heads, sinks, window):
+    """gpt-oss's layers batched on the PyTorch path (``paged_attention_sinks_torch``, with the
+    step's shared plan) against the one-sequence-at-a-time reference."""
+    num_heads, num_kv_heads = HEADS[heads]
+    b = make_batch(SCENARIOS[scenario], num_heads, num_kv_heads, 16, 4, torch.float32, 8)
+    sink = torch.randn(num_heads, generator=torch.Generator().manual_seed(9)) if sinks else None
+    kw = {"sinks": sink, "window": window}
+    plan = build_attention_plan(b.block_tables, b.seq_lens, b.query_start_loc, 4,
+                                b.max_query_len, b.max_seq_len)  # fmt: skip
+    for out in (paged_attention(*b.args(), **kw), paged_attention(*b.args(), plan=plan, **kw)):
+        assert_close(out, paged_attention_reference(*b.args(), **kw), torch.float32)
 
 
 def test_torch_path_is_causal_within_chunk():

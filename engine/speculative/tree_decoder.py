@@ -204,7 +204,11 @@ class TreeDecoder(SpecDecoder):
             plan = partial(plan.func, *plan.args, **{**plan.keywords, "tree_mask": tree_mask})
         window = meta.window  # the window group's rows are the same rows (models/attention.py)
         if window is not None:
-            window = dataclasses.replace(window, tree_mask=tree_mask)
+            window_plan = window.plan
+            if isinstance(window_plan, partial):
+                keywords = {**window_plan.keywords, "tree_mask": tree_mask}
+                window_plan = partial(window_plan.func, *window_plan.args, **keywords)
+            window = dataclasses.replace(window, tree_mask=tree_mask, plan=window_plan)
         inp.target = (
             positions,
             dataclasses.replace(meta, tree_mask=tree_mask, plan=plan, window=window),
