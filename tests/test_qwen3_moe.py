@@ -8,7 +8,6 @@ drafts per position), and greedy Eagle3 speculation equals plain decoding."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 from checkpoints import (
     assert_matches_hf,
-    build_tokenizer,
+    build_qwen3_moe,
     hf_greedy,
     make_echo_target,
     perfect_eagle3_draft,
@@ -32,63 +31,6 @@ CASES: dict[str, dict[str, Any]] = {
     # Every second layer sparse, top-k weights as the softmax gives them.
     "every-second": {"decoder_sparse_step": 2, "norm_topk_prob": False, "top_k": 3},
 }
-
-
-def build_qwen3_moe(
-    folder: Path,
-    *,
-    layers: int = 3,
-    experts: int = 8,
-    top_k: int = 2,
-    norm_topk_prob: bool = True,
-    decoder_sparse_step: int = 1,
-    mlp_only_layers: list[int] | None = None,
-    seed: int = 0,
-) -> Path:
-    """A random ``Qwen3MoeForCausalLM`` + tokenizer, its config.json in the released spelling
-    (``num_experts``, top-level ``rope_theta``, ``rope_scaling: null``). The norms are random too
-    (transformers starts them at ones), so loading q_norm / k_norm matters."""
-    import transformers as tf
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(folder)
-    config = tf.Qwen3MoeConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # 4 x 32 = 2 x hidden, as Qwen3-30B-A3B's 32 x 128 against 2048
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=decoder_sparse_step,
-        mlp_only_layers=mlp_only_layers or [],
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        max_position_embeddings=40960,
-        initializer_range=0.08,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = tf.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            if "norm" in name:
-                t.copy_(1 + torch.randn(t.shape) * 0.2)
-    model.save_pretrained(str(folder))
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["num_experts"] = cfg.pop("num_local_experts")
-    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
-    cfg |= {"rope_scaling": None, "torch_dtype": "bfloat16", "max_window_layers": layers}
-    cfg.pop("dtype", None)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
-    (folder / "generation_config.json").write_text(json.dumps(gen))
-    return folder
 
 
 @pytest.fixture(scope="module")
