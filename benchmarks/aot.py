@@ -3,10 +3,12 @@ machine (no GPU needed): ``python -m tandem.bench.aot`` (``make gpu-aot``).
 
 The variants are the ones the code dispatches, not a hand-kept list: the kernels' own entry
 points (``write_kv_cache``, ``paged_attention``, ``grouped_topk``, ``moe_experts``,
-``accept_matching``, ``rejection_sample``, ``build_draft_step0_inputs``) run on fake CUDA
+``gpt_oss_experts_mxfp4``, ``accept_matching``, ``rejection_sample``,
+``build_draft_step0_inputs``) run on fake CUDA
 tensors (PyTorch's ``FakeTensorMode``: shapes and dtypes, no memory, no device) with the shapes
 of the model each shipped preset serves (its tensor-parallel size, attention DP, K, block size,
-batch limits), bf16 and fp16, K = 1..8, decode, verify, draft-tree verify and prefill; every
+batch limits) and of the models the engine does not serve on GPUs yet (gpt-oss-20b: attention
+sinks and windows, MXFP4 experts; ``UNPRESET_MODELS``), bf16 and fp16, K = 1..8, decode, verify, draft-tree verify and prefill; every
 launch is recorded
 instead of run. Each distinct variant (constexprs, argument dtypes, launch options) is compiled
 with ``triton.compile`` for ``cuda:80`` (A100), ``cuda:90`` (H100/H200) and ``cuda:100`` where
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.aot_record import Variant, collect_variants, preset_shapes
+from tandem.bench.shapes import UNPRESET_MODELS
 from tandem.engine.presets import PRESETS_DIR
 
 # Per-block shared memory a kernel may use (opt-in maximum): A100 163 KiB, H100/H200 and B200
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if triton_interpreter_enabled():
         ap.error("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
-    shipped = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    shipped = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")) + sorted(UNPRESET_MODELS)
     unknown = sorted(set(args.presets or ()) - set(shipped))
     if unknown:
         ap.error(f"unknown preset(s) {', '.join(unknown)}; shipped: {', '.join(shipped)}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tandem.bench.shapes import MODELS, PRESET_MODEL
+from tandem.bench.shapes import MODELS, PRESET_MODEL, UNPRESET_MODELS
 from tandem.engine.presets import PRESETS_DIR, load_preset
 
 KS = range(1, 9)
@@ -76,6 +76,9 @@ def preset_shapes(names: list[str] | None = None) -> list[Shape]:
                 max_num_batched_tokens=int(p.get("max_num_batched_tokens") or 2048),
             )
         )
+    for name, (family, tp) in UNPRESET_MODELS.items():  # the engine's defaults
+        if not names or name in names:
+            shapes.append(Shape(name, family, tp, False, 3, 16, 256, 2048))
     return shapes
 
 
@@ -179,6 +182,7 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
     """(description, call) for every kernel entry point at this shape, on fake CUDA tensors."""
     from tandem.kernels.fp8 import fp8_linear
     from tandem.kernels.moe import grouped_topk, moe_experts
+    from tandem.kernels.mxfp4 import gpt_oss_experts_mxfp4
     from tandem.kernels.paged_attention import paged_attention, write_kv_cache
     from tandem.kernels.spec_decode import (
         accept_matching,
@@ -206,6 +210,9 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
         )
     if "fp8_block" in c:
         f["fp8_block"] = c["fp8_block"]
+    if "num_local_experts" in c:  # gpt-oss: MXFP4 experts
+        f.update(mxfp4_experts=c["num_local_experts"], top_k=c["experts_per_token"])
+        f["moe_inter"] = c["intermediate_size"]
     dev = "cuda"
 
     def empty(*size: int, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -246,6 +253,20 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
             )  # fmt: skip
 
         yield f"attention {phase}", attend
+        if "sliding_window" in c and tree_mask is None:  # sinks, and a window on every other
+            for window in (None, c["sliding_window"]):  # layer (not with trees in Triton)
+
+                def attend_sinks(
+                    t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl,
+                    window: int | None = window,
+                ) -> Any:  # fmt: skip
+                    q = empty(t, heads, head_dim)
+                    return paged_attention(
+                        q, cache, cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024,
+                        use_triton=True, sinks=empty(heads, dt=torch.float32), window=window,
+                    )  # fmt: skip
+
+                yield f"attention {phase} sinks window={window}", attend_sinks
     if "experts" in f:
         experts, local = f["experts"], f["experts"] // shape.tp
         for t in (1, shape.max_num_seqs * (shape.k + 1), shape.max_num_batched_tokens):
@@ -270,6 +291,17 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
                     ),
                     use_triton=True,
                 )  # fmt: skip
+    if "mxfp4_experts" in f:
+        local, h, i = f["mxfp4_experts"] // shape.tp, f["hidden"], f["moe_inter"]
+        u8 = torch.uint8
+        for t in (1, shape.max_num_seqs * (shape.k + 1), shape.max_num_batched_tokens):
+            yield f"MXFP4 experts T={t}", lambda t=t: gpt_oss_experts_mxfp4(
+                empty(t, h), empty(local, 2 * i, h // 32, 16, dt=u8),
+                empty(local, 2 * i, h // 32, dt=u8), empty(local, 2 * i),
+                empty(local, h, i // 32, 16, dt=u8), empty(local, h, i // 32, dt=u8),
+                empty(local, h), empty(t, f["top_k"], dt=torch.float32), ints(t, f["top_k"]),
+                0, 1.702, 7.0, use_triton=True,
+            )  # fmt: skip
     b = shape.max_num_seqs
     if "fp8_block" in f:
         bn, bk = f["fp8_block"]

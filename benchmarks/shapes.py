@@ -56,6 +56,18 @@ MODELS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=2048,
         fp8_block=(128, 128),
     ),
+    # Experts in MXFP4 as released, attention sinks, a 128-token window on every other layer.
+    "gpt-oss-20b": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        sliding_window=128,
+        num_local_experts=32,
+        experts_per_token=4,
+    ),
 }
 # The model each shipped preset (configs/NAME.yaml) serves.
 PRESET_MODEL = {
@@ -64,6 +76,9 @@ PRESET_MODEL = {
     "qwen3-8b-eagle3": "qwen3-8b",
     "deepseek-v3-mtp-tp8": "deepseek-v3",
 }
+# Models whose kernels are compiled ahead of time without a shipped preset (the engine does not
+# serve them on GPUs yet): name -> (family, tensor-parallel size).
+UNPRESET_MODELS = {"gpt-oss-20b": ("gpt-oss-20b", 1)}
 
 
 def llama_config(family: str, **overrides: Any) -> Any:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.mxfp4 import dequantize_mxfp4, gpt_oss_experts_reference
 from tandem.models.attention import PagedAttention
 from tandem.models.deepseek_v3 import DeepseekV3Model
 from tandem.models.layers import RMSNorm, RowParallelLinear
@@ -50,31 +51,6 @@ from tandem.models.weights import (
     read_loaded,
     set_loader,
 )
-
-# E2M1 (MXFP4's element): sign bit, two exponent bits, one mantissa bit.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E8M0_BIAS = 127
-MXFP4_BLOCK = 32
-
-
-def dequantize_mxfp4(
-    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """``blocks`` [..., G, 16] uint8 (32 values per block of a row, low nibble first) and
-    ``scales`` [..., G] uint8 (a power of two per block) → [..., G * 32] in ``dtype``."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
-            f"(expected blocks [..., G, {MXFP4_BLOCK // 2}] and scales [..., G])"
-        )
-    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    table = torch.cat([magnitudes, -magnitudes])  # index = sign * 8 + magnitude code
-    b = blocks.to(torch.uint8)
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).long()  # [..., G, 16, 2]: low, then high
-    values = table[codes].flatten(-2)  # [..., G, 32]
-    exponent = scales.to(torch.int32) - E8M0_BIAS
-    values = torch.ldexp(values, exponent[..., None].to(torch.float32))
-    return values.flatten(-2).to(dtype)
 
 
 class SinkAttention(PagedAttention):
@@ -180,19 +156,10 @@ class GptOssExperts(nn.Module):
         copy_checked(param, full[self.first_expert : self.first_expert + self.num_local])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], self.w2.shape[2], dtype=torch.float32, device=x.device)
-        local = ids - self.first_expert
-        for e in torch.unique(local).tolist():
-            if not 0 <= e < self.num_local:
-                continue
-            rows, slot = torch.nonzero(local == e, as_tuple=True)
-            gate_up = x[rows] @ self.w13[e] + self.w13_bias[e]
-            gate = gate_up[:, 0::2].clamp(max=self.limit)
-            up = gate_up[:, 1::2].clamp(-self.limit, self.limit)
-            h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-            y = h @ self.w2[e] + self.w2_bias[e]
-            out.index_add_(0, rows, y.float() * weights[rows, slot, None])
-        return out.to(x.dtype)
+        return gpt_oss_experts_reference(
+            x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, ids, self.first_expert,
+            self.alpha, self.limit,
+        )  # fmt: skip
 
 
 class GptOssMoE(DeepseekV3MoE):
