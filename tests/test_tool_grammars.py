@@ -148,17 +148,20 @@ def plan(parallel: bool = True, name: str | None = None, funcs: list | None = No
     return ToolPlan(tools, "function" if name else "required", name, parallel)
 
 
-def accepts(ll: Any, grammar_plan: ToolPlan, fmt: str, text: str) -> bool:
-    spec = grammar_plan.grammar(fmt)
+def accepts_tokens(ll: Any, spec: Any, tokens: list[int]) -> bool:
+    """Whether ``spec``'s grammar takes exactly ``tokens`` (a whole output)."""
     assert spec is not None
     matcher = llguidance.LLMatcher(ll, to_grammar(spec), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    ids = list(text.encode())
     return (
-        matcher.validate_tokens(ids) == len(ids)
-        and matcher.consume_tokens(ids)
+        matcher.validate_tokens(tokens) == len(tokens)
+        and matcher.consume_tokens(tokens)
         and matcher.is_accepting()
     )
+
+
+def accepts(ll: Any, grammar_plan: ToolPlan, fmt: str, text: str) -> bool:
+    return accepts_tokens(ll, grammar_plan.grammar(fmt), list(text.encode()))
 
 
 def parsed(fmt: str, text: str) -> list[tuple[str, dict]]:
@@ -381,45 +384,35 @@ GLM_SPECIAL = (
 
 
 class _BytesAndMarkers(_Bytes):
-    """The byte tokenizer plus GLM-4.5's markers as special tokens (as its tokenizer has them)."""
+    """The byte tokenizer plus a format's markers as special tokens (as its tokenizer has
+    them): ids 257 on, in ``markers``' order."""
 
-    tokens = [*_Bytes.tokens, *(m.encode() for m in GLM_SPECIAL)]
-    special_token_ids = [256, *range(257, 257 + len(GLM_SPECIAL))]
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self.markers = markers
+        self.tokens = [*_Bytes.tokens, *(m.encode() for m in markers)]
+        self.special_token_ids = [256, *range(257, 257 + len(markers))]
+
+    def ids(self, text: str) -> list[int]:
+        """``text`` as that tokenizer's ids: the markers as their tokens, the rest as bytes."""
+        out: list[int] = []
+        while text:
+            marker = next((m for m in self.markers if text.startswith(m)), None)
+            out += [257 + self.markers.index(marker)] if marker else list(text[0].encode())
+            text = text[len(marker) :] if marker else text[1:]
+        return out
 
 
 def test_markers_the_tokenizer_holds_as_special_tokens_are_written_as_those_tokens() -> None:
     """GLM-4.5's tokenizer holds <tool_call>, <arg_key>, ... as special tokens: the forced
     grammar takes each marker as its token (the model's way of writing it), never spelled out
     in bytes; the values between them stay free text."""
-    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesAndMarkers()))
+    glm = _BytesAndMarkers(GLM_SPECIAL)
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(glm))
     spec = plan(False).grammar("glm45", frozenset(GLM_SPECIAL))
-    assert spec is not None
-
-    def ids(text: str) -> list[int]:  # markers as their tokens, the rest as bytes
-        out: list[int] = []
-        while text:
-            marker = next((m for m in GLM_SPECIAL if text.startswith(m)), None)
-            if marker is not None:
-                out.append(257 + GLM_SPECIAL.index(marker))
-                text = text[len(marker) :]
-            else:
-                out.extend(text[0].encode())
-                text = text[1:]
-        return out
-
-    def accepted(tokens: list[int]) -> bool:
-        matcher = llguidance.LLMatcher(ll, to_grammar(spec), log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return (
-            matcher.validate_tokens(tokens) == len(tokens)
-            and matcher.consume_tokens(tokens)
-            and matcher.is_accepting()
-        )
-
     for name, args in GOOD:
         text = write("glm45", [(name, args)])
-        assert accepted(ids(text)), text
-        assert not accepted(list(text.encode())), text  # the markers spelled in bytes
+        assert accepts_tokens(ll, spec, glm.ids(text)), text
+        assert not accepts_tokens(ll, spec, list(text.encode())), text  # markers spelled in bytes
         assert parsed("glm45", text) == [(name, args)]
     # Without the special set the grammar is the byte-spelled one (a tokenizer without them).
     plain = plan(False).grammar("glm45")
@@ -434,13 +427,6 @@ HARMONY_SPECIAL = (
     "<|constrain|>",
     "<|call|>",
 )
-
-
-class _BytesAndHarmony(_Bytes):
-    """The byte tokenizer plus harmony's markers as special tokens (as gpt-oss's has them)."""
-
-    tokens = [*_Bytes.tokens, *(m.encode() for m in HARMONY_SPECIAL)]
-    special_token_ids = [256, *range(257, 257 + len(HARMONY_SPECIAL))]
 
 
 def _harmony_call(name: str, args: dict, reasoning: str | None = None) -> str:
@@ -463,26 +449,13 @@ def test_harmony_forced_calls_are_written_in_harmony(bytes_tokenizer) -> None:
     whose reasoning cannot hold <|end|>."""
     from tandem.server import harmony
 
-    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_BytesAndHarmony()))
-
-    def ids(text: str) -> list[int]:
-        out: list[int] = []
-        while text:
-            marker = next((m for m in HARMONY_SPECIAL if text.startswith(m)), None)
-            out += [257 + HARMONY_SPECIAL.index(marker)] if marker else list(text[0].encode())
-            text = text[len(marker) :] if marker else text[1:]
-        return out
+    markers = _BytesAndMarkers(HARMONY_SPECIAL)
+    ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(markers))
+    ids = markers.ids
 
     def accepted(p: ToolPlan, tokens: list[int], tokenizer: Any = ll, special: bool = True) -> bool:
         spec = p.grammar("harmony", frozenset(HARMONY_SPECIAL) if special else frozenset())
-        assert spec is not None
-        matcher = llguidance.LLMatcher(tokenizer, to_grammar(spec), log_level=0)
-        assert not matcher.is_error(), matcher.get_error()
-        return (
-            matcher.validate_tokens(tokens) == len(tokens)
-            and matcher.consume_tokens(tokens)
-            and matcher.is_accepting()
-        )
+        return accepts_tokens(tokenizer, spec, tokens)
 
     for name, args in GOOD:
         for reasoning in (None, "", 'They want <b>"weather"</b>.\nCall it.'):
