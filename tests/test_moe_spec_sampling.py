@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scipy.stats import chi2_contingency
+from stats import two_sample_p
 
 from checkpoints import build_eagle3_draft, build_gpt_oss, build_qwen3_moe
 from tandem import LLM, SamplingParams
@@ -54,17 +54,6 @@ def _counts(target: Path, spec: dict[str, Any] | None) -> tuple[list[Counter], f
     return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in (1, 2)], rate
 
 
-def _p_value(a: Counter, b: Counter) -> float:
-    keys = sorted(set(a) | set(b))
-    big = [k for k in keys if a[k] + b[k] >= 10]
-    rows = [[a[k] for k in big], [b[k] for k in big]]
-    rest = [sum(a.values()) - sum(rows[0]), sum(b.values()) - sum(rows[1])]
-    if sum(rest) >= 10:
-        rows[0].append(rest[0])
-        rows[1].append(rest[1])
-    return float(chi2_contingency(rows)[1])
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
 def test_speculated_positions_match_plain_sampling(targets, name: str) -> None:
@@ -74,10 +63,10 @@ def test_speculated_positions_match_plain_sampling(targets, name: str) -> None:
     if name == "gpt_oss":  # tree rows through the sinks and the window
         specs.append({**chain, "topk": 2, "num_draft_tokens": 4})
     plain, _ = _counts(target, None)
-    assert _p_value(plain[0], plain[1]) < 1e-6  # power: the two positions differ
+    assert two_sample_p(plain[0], plain[1]) < 1e-6  # power: the two positions differ
     for spec in specs:
         specd, rate = _counts(target, spec)
         # Drafts are accepted and rejected (a tree's siblings: at most one of them accepted).
         assert rate > (0.02 if "topk" in spec else 0.05), (spec, rate)
         for j in range(2):
-            assert _p_value(plain[j], specd[j]) > 0.01, (spec, j)
+            assert two_sample_p(plain[j], specd[j]) > 0.01, (spec, j)

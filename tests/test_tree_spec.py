@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stats import two_sample_p
 
 from checkpoints import (
     _read_state,
@@ -318,20 +319,6 @@ def _pair_counts(
     return counts
 
 
-def _two_sample_p(a: dict[tuple[int, ...], int], b: dict[tuple[int, ...], int]) -> float:
-    """Two-sample chi-square p-value; cells with fewer than 10 samples in all are pooled."""
-    from scipy.stats import chi2_contingency
-
-    keys = sorted(set(a) | set(b))
-    big = [key for key in keys if a.get(key, 0) + b.get(key, 0) >= 10]
-    rows = [[a.get(key, 0) for key in big], [b.get(key, 0) for key in big]]
-    rest = [sum(a.values()) - sum(rows[0]), sum(b.values()) - sum(rows[1])]
-    if sum(rest) >= 10:
-        rows[0].append(rest[0])
-        rows[1].append(rest[1])
-    return float(chi2_contingency(rows)[1])
-
-
 @pytest.mark.slow  # ~10 minutes per case on 2 CPU cores (TREE_CHI2_N lowers the count)
 @pytest.mark.parametrize(
     "sampling",
@@ -353,7 +340,7 @@ def test_tree_sampling_matches_plain_sampling(near_echo: tuple[Path, Path], samp
         stats = llm.engine.get_stats()
     assert stats.spec_num_accepted_tokens > n // 20  # the trees are accepted often enough
     assert len(plain) > 5
-    assert _two_sample_p(plain, tree) > 0.01
+    assert two_sample_p(plain, tree) > 0.01
 
 
 def test_stops_and_max_tokens_mid_tree(near_echo: tuple[Path, Path]) -> None:
