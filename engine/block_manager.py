@@ -242,10 +242,12 @@ class BlockManager:
         if self.window_pool is None:
             return
         ids = request.window_block_ids
-        for i in range(min(self.first_window_block(request.num_computed_tokens), len(ids))):
-            if ids[i] != WINDOW_NULL_BLOCK:
-                self.window_pool.release(ids[i])
-                ids[i] = WINDOW_NULL_BLOCK
+        # The released blocks are a prefix: walk back from the first one still needed.
+        i = min(self.first_window_block(request.num_computed_tokens), len(ids)) - 1
+        while i >= 0 and ids[i] != WINDOW_NULL_BLOCK:
+            self.window_pool.release(ids[i])
+            ids[i] = WINDOW_NULL_BLOCK
+            i -= 1
 
     def free(self, request: Request) -> None:
         # Reverse order: a request's tail blocks are evicted before its (shareable) head.
