@@ -39,6 +39,16 @@ from tandem.server.serving import cached_prompt_tokens, usage
 R1 = ReasoningParser("deepseek_r1")
 QWEN3 = ReasoningParser("qwen3")
 GLM45 = ReasoningParser("glm45")
+KIMI = resolve_parser("kimi_k2", None)
+KIMI_SECTION = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "functions.get_weather:0",
+    "<|tool_call_argument_begin|>",
+    '{"city": "Paris"}',
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 # (parser, the prompt's end, the output as the model's tokens, reasoning, content)
@@ -132,6 +142,22 @@ CASES = [
         id="r1-repeated-start-tag",
     ),
     pytest.param(QWEN3, "<|im_start|>assistant\n", [], None, None, id="empty"),
+    pytest.param(
+        KIMI,
+        "<|im_assistant|>assistant<|im_middle|>",
+        ["<think>", "Paris", " weather", ".", "</think>", "\n", "Sunny", "."],
+        "Paris weather.",
+        "Sunny.",
+        id="kimi-thinking",
+    ),
+    pytest.param(
+        KIMI,
+        "<|im_assistant|>assistant<|im_middle|>",
+        ["<think>", "Need", " the", " tool", ".\n", *KIMI_SECTION],
+        "Need the tool.\n",
+        "".join(KIMI_SECTION),
+        id="kimi-call-ends-the-thinking",
+    ),
     pytest.param(
         R1, "<｜Assistant｜><think>\n", ["</think>", "\n\n"], None, None, id="nothing-inside"
     ),
@@ -254,6 +280,10 @@ def test_reasoning_tokens_count_through_the_end_tag() -> None:
     assert count([1, 2, 6, 7, 4, 5], opened=False) == 0  # no thinking: all answer
     assert count([0, 1, 2]) == 3
     assert count([1, 3, 5], opened=True) == 2
+    # Kimi's tool-call section ends the thinking and is not part of it.
+    vocab.append("<|tool_calls_section_begin|>")
+    ids = [0, 1, 2, len(vocab) - 1, 5]
+    assert KIMI.count_tokens(ids, decode(ids), False, decode, 3) == 3
 
 
 def test_auto_picks_the_templates_family_and_never_guesses() -> None:
@@ -265,6 +295,8 @@ def test_auto_picks_the_templates_family_and_never_guesses() -> None:
     assert resolve_parser("auto", v31) == R1
     assert resolve_parser("auto", QWEN3_TEMPLATE) == QWEN3
     assert resolve_parser("auto", glm) == GLM45
+    kimi = "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}<think>"
+    assert resolve_parser("auto", kimi) == KIMI and KIMI.answer_starts
     assert resolve_parser("auto", plain) is None
     assert resolve_parser("auto", None) is None
     assert resolve_parser("glm45", plain) == GLM45  # named: used as asked
