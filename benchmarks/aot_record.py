@@ -210,6 +210,9 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
         )
     if "fp8_block" in c:
         f["fp8_block"] = c["fp8_block"]
+    if "num_experts" in c:  # Qwen3-MoE: softmax routing (PyTorch), the grouped experts
+        f.update(softmax_experts=c["num_experts"], top_k=c["num_experts_per_tok"])
+        f["moe_inter"] = c["moe_intermediate_size"]
     if "num_local_experts" in c:  # gpt-oss: MXFP4 experts
         f.update(mxfp4_experts=c["num_local_experts"], top_k=c["experts_per_token"])
         f["moe_inter"] = c["intermediate_size"]
@@ -291,6 +294,13 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
                     ),
                     use_triton=True,
                 )  # fmt: skip
+    if "softmax_experts" in f:
+        local, h, i = f["softmax_experts"] // shape.tp, f["hidden"], f["moe_inter"]
+        for t in (1, shape.max_num_seqs * (shape.k + 1), shape.max_num_batched_tokens):
+            yield f"experts T={t}", lambda t=t: moe_experts(
+                empty(t, h), empty(local, 2 * i, h), empty(local, h, i),
+                empty(t, f["top_k"], dt=torch.float32), ints(t, f["top_k"]), 0, use_triton=True,
+            )  # fmt: skip
     if "mxfp4_experts" in f:
         local, h, i = f["mxfp4_experts"] // shape.tp, f["hidden"], f["moe_inter"]
         u8 = torch.uint8

@@ -56,6 +56,17 @@ MODELS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=2048,
         fp8_block=(128, 128),
     ),
+    # Qwen3-30B-A3B's config.json: softmax top-8 routing over 128 experts, no shared ones.
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
     # Experts in MXFP4 as released, attention sinks, a 128-token window on every other layer.
     "gpt-oss-20b": dict(
         vocab_size=201088,
@@ -75,6 +86,7 @@ PRESET_MODEL = {
     "llama3.1-8b-eagle3": "llama3.1-8b",
     "qwen3-8b-eagle3": "qwen3-8b",
     "deepseek-v3-mtp-tp8": "deepseek-v3",
+    "qwen3-30b-a3b-eagle3": "qwen3-30b-a3b",
 }
 # Models whose kernels are compiled ahead of time without a shipped preset (the engine does not
 # serve them on GPUs yet): name -> (family, tensor-parallel size).

@@ -32,6 +32,7 @@ def test_the_documented_presets_exist() -> None:
         "llama3.1-8b-eagle3.yaml",
         "deepseek-v3-mtp-tp8.yaml",
         "qwen3-8b-eagle3.yaml",
+        "qwen3-30b-a3b-eagle3.yaml",
     }
 
 
@@ -67,6 +68,9 @@ def test_preset_contents() -> None:
 
     qwen = load_preset(REPO / "configs/qwen3-8b-eagle3.yaml")
     assert "Qwen3" in qwen["model"] and qwen["speculative_config"]["method"] == "eagle3"
+    moe = load_preset(REPO / "configs/qwen3-30b-a3b-eagle3.yaml")
+    assert "Qwen3-30B-A3B" in moe["model"] and moe["tensor_parallel_size"] == 2
+    assert moe["speculative_config"]["method"] == "eagle3"
 
     assert load_preset(REPO / "configs/cpu.yaml")["device"] == "cpu"
 
