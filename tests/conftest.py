@@ -38,6 +38,7 @@ SLOWEST_FIRST = (
     "test_tools.py",
     "test_launchers.py",
     "test_tree_spec.py",
+    "test_moe_spec_sampling.py",
     "test_tensor_parallel.py",
     "test_server_multirank.py",
     "test_cpu_quant.py",
