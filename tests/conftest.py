@@ -64,6 +64,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))
 
 
+def _share_default_ssl_context() -> None:
+    """httpx builds an SSL context for every client (certifi's bundle parsed: some 20 ms of CPU),
+    and every ``httpx.get``/``post``/``stream`` and every ``openai.OpenAI`` makes a client; the
+    tests speak plain HTTP to 127.0.0.1. The default context (verify on, no client certificate,
+    the same certificate variables) is built once per test process and shared: a context only
+    configures connections, so sharing it changes nothing a test sees."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+
+    @functools.cache
+    def default_context(cafile: str | None, capath: str | None) -> object:
+        return build(verify=True, cert=None, trust_env=True)
+
+    def create_ssl_context(verify: object = True, cert: object = None, trust_env: bool = True):  # noqa: ANN202
+        if verify is True and cert is None and trust_env:
+            return default_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each process (and what it starts: servers, engines) gets its share of
     the cores for its intra-op threads: two processes with a thread per core each spin against
@@ -71,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     tests run in this process: its collector keeps the engine process's pace (Python's default
     pace cost the suite some 200 s of CPU), bounded by ``pytest_runtest_teardown``."""
     pace_garbage_collector()
+    _share_default_ssl_context()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = cpu_threads(workers)
