@@ -423,4 +423,7 @@ def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:
     """The engine process's entry: set ``env`` first (before CUDA starts, and so that the rank
     processes it spawns inherit it), then run the engine loop."""
     os.environ.update(env)
+    from tandem.engine.rank_process import mark_fork_point
+
+    mark_fork_point()
     run_engine_core(*args)

@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -178,10 +179,26 @@ class ProcessGroups:
     control: Any  # dist.ProcessGroup: gloo
 
 
-def local_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """Rank 0's rendezvous store on 127.0.0.1; port 0 lets the OS pick a free port (``.port``)."""
+def store_listener() -> socket.socket:
+    """A listening socket on 127.0.0.1 at a port the OS picks, for ``local_store``: the ranks
+    learn the port before the store (and its server thread) exists."""
+    return socket.create_server(("127.0.0.1", 0))
+
+
+def local_store(
+    world_size: int, timeout: timedelta, listener: socket.socket | None = None
+) -> dist.TCPStore:
+    """Rank 0's rendezvous store on 127.0.0.1: on ``listener``'s port (the store takes the
+    socket over), else a port the OS picks (``.port``)."""
+    port, fd = (0, None) if listener is None else (listener.getsockname()[1], listener.detach())
     return dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=fd,
     )
 
 

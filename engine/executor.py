@@ -34,6 +34,7 @@ from tandem.engine.distributed import (
     local_store,
     rank_device,
     startup_timeout_s,
+    store_listener,
 )
 from tandem.engine.multinode import (
     agree_as_node0,
@@ -169,13 +170,17 @@ class MultiProcExecutor(Executor):
             )
             agree_as_node0(store, config, deadline)
             host = split_host_port(pc.dist_init_addr or "")[0]
-        else:
-            store, host = local_store(self.world_size, self.timeout), "127.0.0.1"
+            port = store.port
+        else:  # the store after the ranks: its server thread would keep them from being forked
+            listener, host = store_listener(), "127.0.0.1"
+            port = listener.getsockname()[1]
         places = [
-            RankPlace(r, r, host, store.port, self.timeout.total_seconds(), multinode)
+            RankPlace(r, r, host, port, self.timeout.total_seconds(), multinode)
             for r in range(1, local)
         ]
         self.procs, self.conns = spawn_ranks(config, places)
+        if not multinode:
+            store = local_store(self.world_size, self.timeout, listener)
         # Enter the rendezvous only once every rank can: its timeout is the collective one.
         self._await_stage("hello")
         if multinode:

@@ -20,7 +20,7 @@ from tandem.engine.config import EngineConfig, split_host_port
 from tandem.engine.distributed import collective_timeout, startup_timeout_s
 from tandem.engine.executor import JOIN_TIMEOUT_S
 from tandem.engine.multinode import VERDICT_KEY, agree_as_node, join_store, report_failure
-from tandem.engine.rank_process import RankPlace, spawn_ranks
+from tandem.engine.rank_process import RankPlace, mark_fork_point, spawn_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ STORE_CHECK_S = 2.0  # how often the launcher checks that node 0's store still a
 
 def run_headless_node(config: EngineConfig) -> int:
     """Run this node's ranks until node 0 stops them; the process's exit code."""
+    mark_fork_point()
     pc = config.parallel_config
     host, port = split_host_port(pc.dist_init_addr or "")
     ranks = pc.node_ranks

@@ -12,7 +12,9 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -64,10 +66,46 @@ def serve_steps(worker: Worker, control: Any) -> None:
             gather_objects(out, control)
 
 
+# The thread count of this process where it marked itself a place to fork ranks from
+# (``mark_fork_point``); None: never marked, ranks come from a forkserver.
+_fork_point_threads: int | None = None
+
+
+def _os_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+def mark_fork_point() -> None:
+    """Called first by a process that will start CPU ranks and has run no parallel work yet (the
+    engine process, a headless node's launcher): as long as it starts no thread after this call
+    (no OpenMP pool, no store server, no Python thread), its ranks are forked from it, as a
+    forkserver forks them from a process that only imported, without a fresh interpreter that
+    imports torch, the engine and transformers again (some 3 s of CPU per multi-rank server)."""
+    global _fork_point_threads
+    _fork_point_threads = _os_threads()
+
+
+def _can_fork(config: EngineConfig) -> bool:
+    return (
+        config.device.type == "cpu"
+        and _fork_point_threads is not None
+        and "fork" in multiprocessing.get_all_start_methods()
+        and threading.active_count() == 1
+        and _os_threads() == _fork_point_threads
+    )
+
+
 def rank_process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
-    """Fresh interpreters, never a fork of the engine (CUDA and thread pools do not survive
-    ``fork``). A forkserver pays the heavy imports once per engine process, not once per rank
-    and per executor; spawn where there is no forkserver."""
+    """Fresh interpreters, never a fork of a process that has run parallel work or holds threads
+    (CUDA and thread pools do not survive ``fork``): a fork of this process where
+    ``mark_fork_point`` vouches for it (CPU ranks only), else a forkserver, which pays the heavy
+    imports once per engine process, not once per rank and per executor; spawn where there is
+    no forkserver."""
+    if _can_fork(config):
+        return multiprocessing.get_context("fork")
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")

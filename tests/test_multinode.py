@@ -339,13 +339,12 @@ def test_a_node_killed_mid_stream_ends_the_stream_with_an_error(model_dir):
 
 
 def _rank_pids(node: RemoteServer) -> list[int]:
-    """The rank processes a node started (leaves of its tree that multiprocessing started)."""
+    """The rank processes a node started: the leaves of its tree (forked from the launcher or
+    the engine process, or from a forkserver), but multiprocessing's resource tracker."""
     return [
         p
         for p in _family(node.proc.pid)[1:]
-        if not child_pids(p)
-        and ("forkserver" in cmdline(p) or "spawn_main" in cmdline(p))
-        and "resource_tracker" not in cmdline(p)
+        if not child_pids(p) and "resource_tracker" not in cmdline(p)
     ]
 
 
