@@ -39,6 +39,7 @@ from tandem.engine.distributed import (
 from tandem.engine.multinode import (
     agree_as_node0,
     await_world,
+    host_listener,
     host_store,
     report_failure,
     reported_failure,
@@ -161,25 +162,28 @@ class MultiProcExecutor(Executor):
         multinode = pc.nnodes > 1
         wait_s = startup_timeout_s() if multinode else None
         deadline = time.monotonic() + (wait_s or 0)
+        # The store after the ranks, on a socket bound before them: the store's server thread
+        # would keep them from being forked (engine/rank_process.py).
         if multinode:
-            store = self.store = host_store(pc, wait_s or 0)
+            listener = host_listener(pc)
+            host = split_host_port(pc.dist_init_addr or "")[0]
+        else:
+            listener, host = store_listener(), "127.0.0.1"
+        port = listener.getsockname()[1]
+        places = [
+            RankPlace(r, r, host, port, self.timeout.total_seconds(), multinode)
+            for r in range(1, local)
+        ]
+        self.procs, self.conns = spawn_ranks(config, places)
+        if multinode:
+            store = self.store = host_store(pc, wait_s or 0, listener)
             logger.info(
                 "node 0 of %d: rendezvous at %s, waiting for the other nodes",
                 pc.nnodes,
                 pc.dist_init_addr,
             )
             agree_as_node0(store, config, deadline)
-            host = split_host_port(pc.dist_init_addr or "")[0]
-            port = store.port
-        else:  # the store after the ranks: its server thread would keep them from being forked
-            listener, host = store_listener(), "127.0.0.1"
-            port = listener.getsockname()[1]
-        places = [
-            RankPlace(r, r, host, port, self.timeout.total_seconds(), multinode)
-            for r in range(1, local)
-        ]
-        self.procs, self.conns = spawn_ranks(config, places)
-        if not multinode:
+        else:
             store = local_store(self.world_size, self.timeout, listener)
         # Enter the rendezvous only once every rank can: its timeout is the collective one.
         self._await_stage("hello")

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -125,7 +126,9 @@ def _addr(pc: ParallelConfig) -> str:
     return f"{host}:{port}"
 
 
-def _open_store(pc: ParallelConfig, timeout_s: float, host_it: bool) -> dist.TCPStore:
+def _open_store(
+    pc: ParallelConfig, timeout_s: float, host_it: bool, listener: socket.socket | None = None
+) -> dist.TCPStore:
     host, port = split_host_port(pc.dist_init_addr or "")
     try:
         return dist.TCPStore(
@@ -135,13 +138,11 @@ def _open_store(pc: ParallelConfig, timeout_s: float, host_it: bool) -> dist.TCP
             is_master=host_it,
             timeout=timedelta(seconds=timeout_s),
             **({"wait_for_workers": False} if host_it else {}),
+            **({"master_listen_fd": listener.detach()} if listener is not None else {}),
         )
     except (RuntimeError, OSError) as e:
         if host_it:
-            raise ValueError(
-                f"node 0 cannot host the rendezvous at {host}:{port} ({e}); is the port taken, "
-                "or another node started with --node-rank 0?"
-            ) from e
+            raise _port_taken(host, port, e) from e
         raise ValueError(
             f"node {pc.node_rank} could not reach node 0's rendezvous at {host}:{port} within "
             f"{timeout_s:.0f} s ({e}); start node 0 with --node-rank 0 --dist-init-addr "
@@ -149,9 +150,32 @@ def _open_store(pc: ParallelConfig, timeout_s: float, host_it: bool) -> dist.TCP
         ) from e
 
 
-def host_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:
-    """Node 0's rendezvous store, listening on ``dist_init_addr``'s port."""
-    return _open_store(pc, timeout_s, host_it=True)
+def _port_taken(host: str, port: int, e: Exception) -> ValueError:
+    return ValueError(
+        f"node 0 cannot host the rendezvous at {host}:{port} ({e}); is the port taken, "
+        "or another node started with --node-rank 0?"
+    )
+
+
+def host_listener(pc: ParallelConfig) -> socket.socket:
+    """Node 0's rendezvous port, bound and listening on every address (as the store binds it)
+    before the store exists: node 0's ranks are forked before the store's server thread starts
+    (engine/rank_process.py), and ``host_store`` takes the socket over."""
+    host, port = split_host_port(pc.dist_init_addr or "")
+    try:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as e:
+        raise _port_taken(host, port, e) from e
+
+
+def host_store(
+    pc: ParallelConfig, timeout_s: float, listener: socket.socket | None = None
+) -> dist.TCPStore:
+    """Node 0's rendezvous store, listening on ``dist_init_addr``'s port (on ``listener``, from
+    ``host_listener``, when given)."""
+    return _open_store(pc, timeout_s, host_it=True, listener=listener)
 
 
 def join_store(pc: ParallelConfig, timeout_s: float) -> dist.TCPStore:

@@ -24,7 +24,7 @@ from server_utils import RemoteServer, child_pids, cmdline, free_port, tiny_mode
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
 from tandem.engine.config import ParallelConfig
-from tandem.engine.multinode import mismatches
+from tandem.engine.multinode import host_listener, host_store, mismatches
 from tandem.server.cli import engine_args_from
 from tandem.server.logprobs import TokenText
 
@@ -159,6 +159,21 @@ def test_parallel_config_refuses_layouts_that_cannot_work(kw, match):
 def test_each_node_runs_its_share_of_the_global_ranks():
     pc = ParallelConfig(tensor_parallel_size=8, nnodes=4, node_rank=2, dist_init_addr="h:1")
     assert pc.ranks_per_node == 2 and list(pc.node_ranks) == [4, 5]
+
+
+def test_node_0_binds_the_rendezvous_port_before_its_store_and_names_a_taken_one():
+    """Node 0 binds the rendezvous port before it forks its ranks (the store takes the socket
+    over after): on every address, as the store would, and a taken port is refused naming it."""
+    port = free_port()
+    pc = ParallelConfig(tensor_parallel_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}")
+    listener = host_listener(pc)
+    with pytest.raises(ValueError, match=f"cannot host the rendezvous at 127.0.0.1:{port}.*taken"):
+        host_listener(pc)
+    store = host_store(pc, 5.0, listener)
+    assert listener.fileno() == -1  # the store owns the socket now
+    store.set("k", "v")
+    client = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False)
+    assert client.get("k") == b"v"
 
 
 def test_master_addr_and_port_are_another_spelling_of_dist_init_addr(tmp_path):
