@@ -27,6 +27,7 @@ from tandem.server.errors import (
     error_body,
     install_error_handlers,
     payload_too_large,
+    too_many_headers,
 )
 from tandem.server.protocol import (
     ChatCompletionRequest,
@@ -78,6 +79,27 @@ class APIKeyMiddleware:
                 )
                 response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class HeaderLimitMiddleware:
+    """Answers 431 for requests with more than ``count`` header fields or more than ``size``
+    bytes of them (names and values). uvicorn bounds what it buffers of a header block that has
+    not arrived whole by the same size (a 400, the connection closed); one that arrived whole is
+    measured here."""
+
+    def __init__(self, app: ASGIApp, count: int, size: int) -> None:
+        self.app = app
+        self.count = count
+        self.size = size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(name) + len(value) for name, value in headers)
+            if len(headers) > self.count or size > self.size:
+                await too_many_headers(self.count, self.size).response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -165,10 +187,13 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -
     app = FastAPI(title="Tandem", version=__version__, lifespan=lifespan)
     app.state.tandem = state
     install_error_handlers(app)
-    # The last one added runs first: the key is checked before any body is read.
+    # The last one added runs first: the header count, then the key, before any body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(
+        HeaderLimitMiddleware, count=settings.max_header_count, size=settings.max_header_bytes
+    )
 
     # ---------------------------------------------------------------- operations
 

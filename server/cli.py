@@ -68,6 +68,8 @@ def _model_len(text: str) -> int:
 
 def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     """The options of ``tandem serve`` (the command itself lives in ``tandem.cli``)."""
+    from tandem.server.protocol import MAX_N
+
     s.add_argument(
         "model",
         nargs="?",
@@ -151,6 +153,50 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         type=_size,
         default=16 << 20,
         help="larger request bodies get a 413 (default 16MiB)",
+    )
+    http.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=_size,
+        default=64 << 10,
+        help="the most bytes of header fields a request may send (more: a 431, or a 400 and "
+        "the connection closed when they arrive in pieces; default 64KiB)",
+    )
+    http.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=256,
+        help="requests with more header fields get a 431 (default 256)",
+    )
+    http.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (default 5)",
+    )
+    http.add_argument(
+        "--max-chat-messages",
+        type=int,
+        default=4096,
+        help="chat requests with more messages get a 400 (default 4096)",
+    )
+    http.add_argument(
+        "--max-tools",
+        type=int,
+        default=128,
+        help="chat requests with more tools get a 400 (default 128, OpenAI's)",
+    )
+    http.add_argument(
+        "--max-schema-size",
+        type=_size,
+        default=256 << 10,
+        help="a response_format, structured_outputs or tool parameters schema larger than this "
+        "(its compact JSON) gets a 400 (default 256KiB)",
+    )
+    http.add_argument(
+        "--max-n",
+        type=int,
+        default=MAX_N,
+        help=f"requests asking for more choices (n) get a 400 (default and most: {MAX_N})",
     )
     http.add_argument(
         "--trust-request-chat-template",
@@ -416,6 +462,7 @@ def server_settings_from(
 ) -> ServerSettings:
     """Map parsed options onto ``ServerSettings`` (``ValueError`` for values out of range)."""
     from tandem.server.chat import parse_template_kwargs
+    from tandem.server.protocol import MAX_N
     from tandem.server.state import ServerSettings
 
     if ns.shutdown_timeout < 0:
@@ -424,6 +471,20 @@ def server_settings_from(
         raise ValueError(
             f"--max-request-body-size must be positive, got {ns.max_request_body_size}"
         )
+    for flag, value, low in (
+        ("--h11-max-header-count", ns.h11_max_header_count, 1),
+        ("--h11-max-incomplete-event-size", ns.h11_max_incomplete_event_size, 1024),
+        ("--max-chat-messages", ns.max_chat_messages, 1),
+        ("--max-tools", ns.max_tools, 0),
+        ("--max-schema-size", ns.max_schema_size, 1),
+        ("--max-n", ns.max_n, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if ns.max_n > MAX_N:
+        raise ValueError(f"--max-n must be <= {MAX_N}, got {ns.max_n}")
+    if ns.timeout_keep_alive <= 0:
+        raise ValueError(f"--timeout-keep-alive must be > 0 seconds, got {ns.timeout_keep_alive}")
     return ServerSettings(
         api_key=ns.api_key or None,
         served_model_names=list(ns.served_model_name or []),
@@ -437,6 +498,12 @@ def server_settings_from(
         on_engine_dead=on_engine_dead,
         shutdown_timeout_s=ns.shutdown_timeout,
         max_request_body_bytes=ns.max_request_body_size,
+        max_header_count=ns.h11_max_header_count,
+        max_header_bytes=ns.h11_max_incomplete_event_size,
+        max_chat_messages=ns.max_chat_messages,
+        max_tools=ns.max_tools,
+        max_schema_bytes=ns.max_schema_size,
+        max_n=ns.max_n,
         allow_request_chat_template=ns.trust_request_chat_template,
     )
 
@@ -536,6 +603,8 @@ def serve(ns: argparse.Namespace) -> int:
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,
+        timeout_keep_alive=ns.timeout_keep_alive,
+        h11_max_incomplete_event_size=ns.h11_max_incomplete_event_size,
         # A backstop: the app aborts what is still running after --shutdown-timeout.
         timeout_graceful_shutdown=int(ns.shutdown_timeout) + SHUTDOWN_GRACE_S,
     )

@@ -102,6 +102,17 @@ def payload_too_large(limit: int) -> APIError:
     )
 
 
+def too_many_headers(count: int, size: int) -> APIError:
+    return APIError(
+        431,
+        f"The request's header fields are more than this server accepts ({count} fields, "
+        f"{size} bytes).",
+        "invalid_request_error",
+        None,
+        "request_header_fields_too_large",
+    )
+
+
 def server_fault(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "internal_error")
 

@@ -107,6 +107,39 @@ def structured_spec(req: SamplingFields) -> StructuredSpec | None:
     return specs[0] if specs else None
 
 
+def check_request_size(req: SamplingFields, settings: Any) -> None:
+    """The limits that keep one request from costing the server what many would (each a
+    ``tandem serve`` flag): ``n``, the bytes of a constraint (``response_format``,
+    ``structured_outputs``: grammars compile from them), and for chat requests the number of
+    messages and tools and each tool's parameters schema. A 400 naming the field and the flag."""
+
+    def refuse(what: str, limit: int, flag: str, param: str) -> None:
+        raise bad_request(f"{what}; this server's limit is {limit} ({flag})", param)
+
+    if req.n > settings.max_n:
+        refuse(f"n={req.n}", settings.max_n, "--max-n", "n")
+    constraints = (("response_format", req.response_format),)
+    constraints += (("structured_outputs", req.structured_outputs),)
+    messages, tools = getattr(req, "messages", None), getattr(req, "tools", None) or []
+    if messages is not None and len(messages) > settings.max_chat_messages:
+        refuse(f"{len(messages)} messages", settings.max_chat_messages, "--max-chat-messages",
+               "messages")  # fmt: skip
+    if len(tools) > settings.max_tools:
+        refuse(f"{len(tools)} tools", settings.max_tools, "--max-tools", "tools")
+    constraints += tuple(
+        (f"tools[{i}].function.parameters", tool.function.parameters)
+        for i, tool in enumerate(tools)
+    )
+    for param, value in constraints:
+        if value is None:
+            continue
+        dumped = value.model_dump(by_alias=True) if hasattr(value, "model_dump") else value
+        size = len(json.dumps(dumped, separators=(",", ":")).encode())
+        if size > settings.max_schema_bytes:
+            refuse(f"{param} is {size} bytes", settings.max_schema_bytes, "--max-schema-size",
+                   param)  # fmt: skip
+
+
 def build_sampling_params(
     req: SamplingFields,
     defaults: dict[str, Any],

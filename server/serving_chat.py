@@ -19,6 +19,7 @@ from tandem.server.reasoning import ReasoningParser, resolve_parser
 from tandem.server.serving import (
     build_sampling_params,
     cached_prompt_tokens,
+    check_request_size,
     compile_grammar,
     engine_error_to_api,
     envelope,
@@ -131,6 +132,7 @@ class ChatHandler:
         self.n = req.n
         self.want_logprobs = bool(req.logprobs)
         self.prompt_ids: list[int] = []
+        check_request_size(req, state.settings)
         self.tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         self.reasoning: ReasoningParser | None = None  # set by submit()
         self.opened = False  # the prompt opened the thinking: the output starts in it

@@ -12,6 +12,7 @@ from tandem.server.protocol import CompletionRequest
 from tandem.server.serving import (
     build_sampling_params,
     cached_prompt_tokens,
+    check_request_size,
     compile_grammar,
     engine_error_to_api,
     envelope,
@@ -46,6 +47,7 @@ class CompletionHandler:
 
     async def submit(self) -> RequestGroup:
         """Validate and submit every (prompt, sample) pair; raises ``APIError``."""
+        check_request_size(self.req, self.state.settings)
         params = build_sampling_params(
             self.req,
             self.state.generation_defaults,

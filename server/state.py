@@ -17,6 +17,7 @@ from tandem.server.chat import ChatRenderer, resolve_chat_template
 from tandem.server.errors import model_not_found, server_unavailable
 from tandem.server.logprobs import TokenText
 from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import MAX_N
 from tandem.server.reasoning import THINK_END, resolve_parser, single_token_id
 from tandem.server.serving import RETRY_AFTER_NOT_READY_S
 
@@ -36,6 +37,14 @@ class ServerSettings:
     # After SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted.
     shutdown_timeout_s: float = 30.0
     max_request_body_bytes: int = 16 << 20  # larger bodies get a 413
+    max_header_count: int = 256  # more header fields get a 431
+    max_header_bytes: int = 64 << 10  # so do more bytes of them
+    # Larger requests get a 400 naming the field: chat messages, tools, the bytes of a schema or
+    # grammar (response_format, structured_outputs, a tool's parameters), n.
+    max_chat_messages: int = 4096
+    max_tools: int = 128
+    max_schema_bytes: int = 256 << 10
+    max_n: int = MAX_N
     # A request's own "chat_template" is refused (400) unless the operator allows it.
     allow_request_chat_template: bool = False
     # How tool calls are read from the output (server/tool_parsers.py); None: the template's.
