@@ -46,6 +46,7 @@ SLOWEST_FIRST = (
     "test_server_errors.py",
     "test_reliability_fuzz.py",
     "test_reliability_faults.py",
+    "test_reliability_storm.py",
     "test_server_speculative.py",
     "test_attention_dp.py",
     "test_structured_output.py",
