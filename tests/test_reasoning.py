@@ -695,12 +695,13 @@ def test_markers_a_tokenizer_holds_as_special_tokens_are_decoded() -> None:
     special tokens for a request whose parsers read them, unless the request chose."""
     from tandem import SamplingParams
     from tandem.server.serving_chat import ChatHandler
+    from tandem.server.state import ServerSettings
 
     def keeps(special: list[str], **fields: Any) -> bool:
         state = SimpleNamespace(
             response_model_name=lambda name: "m",
             special_tokens=lambda texts: frozenset(t for t in texts if t in special),
-            settings=SimpleNamespace(tool_call_parser=None),
+            settings=ServerSettings(),
             renderer=SimpleNamespace(source=QWEN3_TEMPLATE),
         )
         handler = ChatHandler(state, _chat(**fields))
