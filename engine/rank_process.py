@@ -72,6 +72,7 @@ _fork_point_threads: int | None = None
 
 
 def _os_threads() -> int:
+    """This process's threads (Linux); -1 where it cannot tell (no fork then)."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -92,6 +93,7 @@ def _can_fork(config: EngineConfig) -> bool:
     return (
         config.device.type == "cpu"
         and _fork_point_threads is not None
+        and _fork_point_threads > 0
         and "fork" in multiprocessing.get_all_start_methods()
         and threading.active_count() == 1
         and _os_threads() == _fork_point_threads

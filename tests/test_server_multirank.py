@@ -99,3 +99,35 @@ def test_sigterm_with_ranks_exits_zero_and_leaves_no_rank_process(model_dir):
         left = [p for p in family if os.path.exists(f"/proc/{p}") and cmdline(p)]
         assert left == [], [cmdline(p) for p in left]
     assert elapsed < 60
+
+
+def test_ranks_are_forked_only_from_a_marked_process_that_started_no_thread(
+    model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU ranks are forked from a process that marked its entry and has started no thread
+    since; a thread started after the mark, an unmarked process, a CUDA device or a system that
+    cannot count threads get the forkserver."""
+    import dataclasses
+    import threading
+
+    import torch
+
+    from tandem.engine import rank_process
+    from tandem.engine.config import EngineArgs
+
+    config = EngineArgs(model=str(model_dir), max_model_len=256).create_engine_config()
+
+    def method(cfg=config) -> str:  # noqa: ANN001
+        return rank_process.rank_process_context(cfg).get_start_method()
+
+    monkeypatch.setattr(rank_process, "_fork_point_threads", None)
+    assert method() == "forkserver"  # never marked (this test process)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    rank_process.mark_fork_point()
+    assert method() == "fork"
+    assert method(dataclasses.replace(config, device=torch.device("cuda", 0))) == "forkserver"
+    monkeypatch.setattr(rank_process, "_os_threads", lambda: rank_process._fork_point_threads + 1)
+    assert method() == "forkserver"  # a thread started since the mark
+    monkeypatch.setattr(rank_process, "_os_threads", lambda: -1)
+    rank_process.mark_fork_point()
+    assert method() == "forkserver"  # threads cannot be counted here
