@@ -118,18 +118,17 @@ def check_request_size(req: SamplingFields, settings: Any) -> None:
 
     if req.n > settings.max_n:
         refuse(f"n={req.n}", settings.max_n, "--max-n", "n")
-    constraints = (("response_format", req.response_format),)
-    constraints += (("structured_outputs", req.structured_outputs),)
     messages, tools = getattr(req, "messages", None), getattr(req, "tools", None) or []
     if messages is not None and len(messages) > settings.max_chat_messages:
         refuse(f"{len(messages)} messages", settings.max_chat_messages, "--max-chat-messages",
                "messages")  # fmt: skip
     if len(tools) > settings.max_tools:
         refuse(f"{len(tools)} tools", settings.max_tools, "--max-tools", "tools")
-    constraints += tuple(
-        (f"tools[{i}].function.parameters", tool.function.parameters)
-        for i, tool in enumerate(tools)
-    )
+    constraints = [
+        ("response_format", req.response_format),
+        ("structured_outputs", req.structured_outputs),
+        *((f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(tools)),
+    ]
     for param, value in constraints:
         if value is None:
             continue
