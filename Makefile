@@ -76,6 +76,19 @@ test: setup
 		|| [ $$? -eq 5 ]
 	$(if $(SERIAL_FILES),$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) $(SERIAL_FILES) || [ $$? -eq 5 ])
 
+# Fuzz at scale (issue #49): FUZZ_REQUESTS seeded requests (schema-based from our OpenAPI,
+# mutated valid requests, protocol-level attacks on raw sockets), a third each against a server
+# speculating with Eagle3 draft trees, one with -tp 2 and one with -dp 2 (tiny checkpoints). Prints
+# requests per kind, status codes, p50/p99 latency and the seed; fails on any 5xx but an overloaded
+# queue's 503, a hang, or a server not idle at the end, and prints the command that replays each
+# failing request. `make test` runs a slice of it (tests/test_reliability_fuzz_scale.py).
+# FUZZ_ARGS e.g. --seed 7, --server tp2, --concurrency 16.
+FUZZ_REQUESTS ?= 51000
+FUZZ_ARGS ?=
+.PHONY: fuzz
+fuzz: setup
+	$(BIN)/python tests/fuzz_driver.py --requests $(FUZZ_REQUESTS) $(FUZZ_ARGS)
+
 # The inner loop: the test files the change can reach (scripts/changed_tests.py: the files it
 # touched, their importers through the package's imports, the helpers of tests/), in parallel;
 # BASE=REV compares with another revision (default: the upstream branch, else HEAD).

@@ -44,6 +44,7 @@ SLOWEST_FIRST = (
     "test_cpu_quant.py",
     "test_paged_attention.py",
     "test_server_errors.py",
+    "test_reliability_fuzz_scale.py",
     "test_reliability_fuzz.py",
     "test_reliability_faults.py",
     "test_reliability_storm.py",

@@ -225,6 +225,22 @@ def metric(samples: dict, name: str, **labels: str) -> float:
     return total
 
 
+def is_openai_error(r: Any) -> bool:
+    """Whether ``r`` (a response: its ``json()``) is an error in OpenAI's shape."""
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    err = body.get("error") if isinstance(body, dict) else None
+    return (
+        set(body) == {"error"}
+        and isinstance(err, dict)
+        and set(err) == {"message", "type", "param", "code"}
+        and isinstance(err["message"], str)
+        and bool(err["message"])
+    )
+
+
 def wait_until(predicate: Any, timeout_s: float = 30.0, interval_s: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout_s
     last = None

@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_utils import REPO, RemoteServer, metric, scrape_metrics, tiny_model, wait_until
+from server_utils import (
+    REPO,
+    RemoteServer,
+    is_openai_error,
+    metric,
+    scrape_metrics,
+    tiny_model,
+    wait_until,
+)
 
 API_KEY = "sk-tandem-fuzz-7f3a9c0e5b1d"
 MAX_MODEL_LEN = 64
@@ -61,21 +69,6 @@ def greedy_text(http: httpx.Client) -> str:
     })  # fmt: skip
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
-
-
-def is_openai_error(r: httpx.Response) -> bool:
-    try:
-        body = r.json()
-    except ValueError:
-        return False
-    err = body.get("error") if isinstance(body, dict) else None
-    return (
-        set(body) == {"error"}
-        and isinstance(err, dict)
-        and set(err) == {"message", "type", "param", "code"}
-        and isinstance(err["message"], str)
-        and bool(err["message"])
-    )
 
 
 def assert_client_error(r: httpx.Response, status: int | None = None) -> dict:

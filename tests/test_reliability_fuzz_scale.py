@@ -1,0 +1,64 @@
+"""Fuzz at scale, the bounded slice: `fuzz_driver.py` (what `make fuzz` runs with 51,000
+requests) with a few hundred seeded requests per server against a speculating server (Eagle3
+draft trees), ``-tp 2`` and ``-dp 2``: no 5xx but an overloaded queue's 503, no hang, healthy and
+idle at the end; and the driver's verdicts themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from fuzz_cases import KINDS
+from fuzz_driver import SERVERS, judge, run, table
+
+SLICE = 450  # requests in all, a third per server
+SEED = 49
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_fuzz_slice_finds_no_5xx_hang_or_leak(tmp_path: Path) -> None:
+    report = run(SLICE, SEED, SERVERS, concurrency=32, root=tmp_path)
+    print("\n" + table(report))
+    assert report.ok, table(report)
+    assert len(report.outcomes) == SLICE
+    seen = {(o.server, o.request.kind) for o in report.outcomes}
+    assert seen == {(s, k) for s in SERVERS for k in KINDS}
+    statuses = {o.status for o in report.outcomes}
+    assert {"200", "400", "closed"} <= statuses  # both sides of validation, and the parser's
+
+
+def _headers(**kw: str) -> httpx.Headers:
+    return httpx.Headers(kw)
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "text", "bad"),
+    [
+        (200, {}, '{"id": "x"}', False),
+        (400, {}, '{"error": {"message": "m", "type": "t", "param": null, "code": null}}', False),
+        (400, {}, "Bad Request", True),  # not the OpenAI shape
+        (
+            500,
+            {},
+            '{"error": {"message": "m", "type": "server_error", "param": null, '
+            '"code": "internal_error"}}',
+            True,
+        ),  # fmt: skip
+        (502, {}, "", True),
+        (503, {"retry-after": "1"}, '{"error": {"code": "queue_full"}}', False),
+        (503, {}, '{"error": {"code": "queue_full"}}', True),  # no Retry-After
+        (503, {"retry-after": "1"}, '{"error": {"code": "engine_dead"}}', True),
+        (200, {"content-type": "text/event-stream"}, "data: {}\n\ndata: [DONE]\n\n", False),
+        (200, {"content-type": "text/event-stream"}, "data: {}\n\n", True),  # cut short
+        (
+            200,
+            {"content-type": "text/event-stream"},
+            'data: {"error": {"type": "server_error"}}\n\ndata: [DONE]\n\n',
+            True,
+        ),  # fmt: skip
+    ],
+)
+def test_the_driver_counts_what_the_issue_forbids(status, headers, text, bad) -> None:
+    assert (judge(status, _headers(**headers), text) is not None) == bad
