@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.structured_output import StructuredSpec
+from tandem.engine.structured_output import StructuredOutputError, StructuredSpec
 from tandem.server.errors import bad_request
 from tandem.server.tool_formats import FORMATS, write_calls
 from tandem.server.tool_grammar import forced_calls_grammar
@@ -91,7 +91,12 @@ class ToolPlan:
             if self.forced_name in (None, t["function"]["name"])
         ]
         text = forced_calls_grammar(call_format, funcs, self.parallel, special)
-        return StructuredSpec("grammar", text, "tools")
+        try:
+            return StructuredSpec("grammar", text, "tools")
+        except StructuredOutputError as e:  # parameter schemas past the grammar's size limit
+            raise bad_request(
+                f"tools: the grammar of the forced calls is {e.detail}", "tools"
+            ) from None
 
     def system_prompt(self, call_format: str = "hermes") -> str:
         """The tools for a template that does not render them itself, and how to call them in

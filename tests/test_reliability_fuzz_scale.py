@@ -62,3 +62,41 @@ def _headers(**kw: str) -> httpx.Headers:
 )
 def test_the_driver_counts_what_the_issue_forbids(status, headers, text, bad) -> None:
     assert (judge(status, _headers(**headers), text) is not None) == bad
+
+
+# ------------------------------------------------------------------ what the fuzzing caught
+
+BIG_SCHEMA_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"days": "word " * 30_000}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_call_whose_grammar_passes_the_size_limit_is_a_400(tool_choice) -> None:
+    """Caught by the driver (seed 49, tp2 #133): a forced call of a tool whose parameters hold
+    a 150 KB string made a grammar past the server's size limit, and the size check's error
+    reached the client as a 500."""
+    from tandem.server.errors import APIError
+    from tandem.server.protocol import ChatCompletionRequest
+    from tandem.server.tools import plan_tools
+
+    req = ChatCompletionRequest(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        tools=[BIG_SCHEMA_TOOL],
+        tool_choice=tool_choice,
+    )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    with pytest.raises(APIError) as refused:
+        plan.grammar()
+    assert refused.value.status == 400 and refused.value.param == "tools"
+    assert "too large" in refused.value.message
+    small = {**BIG_SCHEMA_TOOL, "function": {"name": "get_weather", "parameters": {}}}
+    req = req.model_copy(update={"tools": [req.tools[0].model_validate(small)]})
+    assert plan_tools(req.tools, req.tool_choice, None).grammar() is not None
