@@ -19,7 +19,13 @@ from types import FrameType
 from tandem.engine.config import EngineConfig, split_host_port
 from tandem.engine.distributed import collective_timeout, startup_timeout_s
 from tandem.engine.executor import JOIN_TIMEOUT_S
-from tandem.engine.multinode import VERDICT_KEY, agree_as_node, join_store, report_failure
+from tandem.engine.multinode import (
+    VERDICT_KEY,
+    agree_as_node,
+    join_store,
+    report_failure,
+    within,
+)
 from tandem.engine.rank_process import RankPlace, mark_fork_point, spawn_ranks
 
 logger = logging.getLogger(__name__)
@@ -91,7 +97,7 @@ def run_headless_node(config: EngineConfig) -> int:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + STORE_CHECK_S
                 try:
-                    store.check([VERDICT_KEY])
+                    within(timeout.total_seconds(), lambda: store.check([VERDICT_KEY]))
                 except (RuntimeError, OSError) as e:
                     return _node0_gone(procs, f"{host}:{port}", e)
     finally:

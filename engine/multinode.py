@@ -24,11 +24,12 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -37,6 +38,7 @@ from tandem.engine.speculative.interface import DISABLE_ROW_PICK_ENV, row_pick_d
 from tandem.models.checkpoint import checkpoint_digest
 from tandem.version import __version__
 
+T = TypeVar("T")
 KEY = "tandem/launch/"
 VERDICT_KEY = KEY + "verdict"
 FAILED_KEY = KEY + "failed"
@@ -267,11 +269,41 @@ def report_invalid_arguments(dist_init_addr: str | None, node_rank: int, message
     report_failure(store, f"node {node_rank} cannot start: {message}")
 
 
-def report_failure(store: dist.Store, message: str) -> None:
-    """Tell the other nodes why this one is going away (best effort: the store may be gone)."""
-    try:
+def within(seconds: float, call: Callable[[], T]) -> T:
+    """``call()`` (a store operation) if it returns within ``seconds``, else ``TimeoutError``.
+    A store client whose server's host vanished without closing the connection (a cut link, a
+    frozen host) can wait in ``check`` far past the store's own timeout; the call is left to
+    finish on a daemon thread."""
+    result: list[T] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as e:  # handed to the caller
+            error.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="store-call", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(f"the rendezvous store did not answer within {seconds:g} s")
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def report_failure(store: dist.Store, message: str, wait_s: float = 5.0) -> None:
+    """Tell the other nodes why this one is going away (best effort, for at most ``wait_s``:
+    the store may be gone or out of reach)."""
+
+    def report() -> None:
         if not store.check([FAILED_KEY]):  # the first failure is the cause; keep it
             store.set(FAILED_KEY, message)
+
+    try:
+        within(wait_s, report)
     except (RuntimeError, OSError):
         pass
 

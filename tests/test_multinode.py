@@ -24,7 +24,7 @@ from server_utils import RemoteServer, child_pids, cmdline, free_port, tiny_mode
 from tandem import LLM, SamplingParams
 from tandem.cli import build_parser
 from tandem.engine.config import ParallelConfig
-from tandem.engine.multinode import host_listener, host_store, mismatches
+from tandem.engine.multinode import host_listener, host_store, mismatches, report_failure, within
 from tandem.server.cli import engine_args_from
 from tandem.server.logprobs import TokenText
 
@@ -219,6 +219,26 @@ def test_fingerprints_name_checkpoints_by_content_not_path(model_dir, tmp_path):
     build_eagle3_draft(head, model_dir, seed=3)  # same config and shapes, other weights
     (only,) = mismatches(node0, fp(model_dir, head), 1)
     assert only.startswith("node 1 has --speculative-config")
+
+
+def test_a_store_that_stops_answering_holds_a_node_no_longer_than_its_bound():
+    """Caught by the partition tests: a cut link left node 1's launcher waiting in the store's
+    ``check`` (past the store's own timeout), so it never exited. Store calls after start-up are
+    bounded."""
+
+    class Silent:
+        def check(self, keys: list[str]) -> bool:
+            time.sleep(30)
+            return False
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        within(0.3, lambda: Silent().check(["k"]))
+    report_failure(Silent(), "node 1 failed", wait_s=0.3)  # best effort: gives up quietly
+    assert time.monotonic() - started < 2
+    assert within(1.0, lambda: 7) == 7
+    with pytest.raises(KeyError):
+        within(1.0, lambda: {}["missing"])
 
 
 def test_the_offline_engine_refuses_to_run_on_a_headless_node(model_dir):
