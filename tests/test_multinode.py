@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import partition
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -420,6 +421,10 @@ def test_a_stopped_node_1_rank_ends_the_stream_and_node_0(model_dir):
         node1.stop()
 
 
+@pytest.mark.skipif(
+    partition.unavailable() is None,
+    reason="the same ping failure on two real hosts: test_multinode_partitions' cut while idle",
+)
 def test_a_rank_stopped_while_idle_fails_the_ping(model_dir):
     """SIGSTOP of a node-1 rank while no request runs: rank 0's ping (a gloo broadcast, which
     waits for each receiver) fails within the collective timeout, so node 0 turns 503 and exits
