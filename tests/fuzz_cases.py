@@ -214,7 +214,8 @@ def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
         s = old if isinstance(old, str) else "x"
         cut = rng.randint(0, len(s))
         return op, s[:cut] + rng.choice(UNICODE) + s[cut:]
-    return op, [old] * rng.choice([2, 100, 5000])
+    size = len(dumps(old))  # repeated, up to twice the body limit (a 413 past it anyway)
+    return op, [old] * min(rng.choice([2, 100, 5000]), max(2, 2 * BODY_LIMIT // max(1, size)))
 
 
 def mutate(rng: random.Random, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import socket
 import sys
@@ -109,23 +110,31 @@ def start_server(name: str, models: dict[str, Path]) -> RemoteServer:
 # ------------------------------------------------------------------ sending
 
 
-def plan(seed: int, server: str, count: int, openapi: dict) -> list[Request]:
-    """The ``count`` requests for ``server``: request i is a function of (seed, server, i) (the
-    schema cases of the kind's running number, drawn for the whole plan)."""
-    kinds = [kind_of(request_rng(seed, server, i)) for i in range(count)]
-    schema = iter(schema_requests(openapi, kinds.count("schema"), seed * 7 + SERVERS.index(server)))
-    out = []
-    for i, kind in enumerate(kinds):
-        rng = request_rng(seed, server, i)
+class Plan:
+    """The ``count`` requests for ``server``, built as they are sent (a 51,000-request run
+    would not fit in memory otherwise): request i is a function of (seed, server, i), the schema
+    cases by their running number among the plan's."""
+
+    def __init__(self, seed: int, server: str, count: int, openapi: dict) -> None:
+        self.seed, self.server = seed, server
+        self.kinds = [kind_of(request_rng(seed, server, i)) for i in range(count)]
+        at = [i for i, kind in enumerate(self.kinds) if kind == "schema"]
+        cases = schema_requests(openapi, len(at), seed * 7 + SERVERS.index(server))
+        self.schema = {
+            i: dataclasses.replace(case, index=i) for i, case in zip(at, cases, strict=True)
+        }
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def request(self, i: int) -> Request:
+        if self.kinds[i] == "schema":
+            return self.schema[i]
+        rng = request_rng(self.seed, self.server, i)
         rng.random()  # the draw kind_of made
-        if kind == "schema":
-            case = next(schema)
-            out.append(Request(**{**case.__dict__, "index": i}))
-        elif kind == "mutation":
-            out.append(mutation_request(rng, i))
-        else:
-            out.append(protocol_request(rng, i))
-    return out
+        if self.kinds[i] == "mutation":
+            return mutation_request(rng, i)
+        return protocol_request(rng, i)
 
 
 async def send_http(client: httpx.AsyncClient, server: str, req: Request) -> Outcome:
@@ -246,11 +255,11 @@ def _dechunk(data: bytes) -> bytes:
 
 
 async def drive(
-    server: RemoteServer, name: str, requests: list[Request], concurrency: int
+    server: RemoteServer, name: str, plan: Plan, indices: range, concurrency: int
 ) -> list[Outcome]:
-    queue: asyncio.Queue[Request] = asyncio.Queue()
-    for req in requests:
-        queue.put_nowait(req)
+    """Send ``plan``'s ``indices``, ``concurrency`` at a time. Outcomes keep the body of a
+    failing request only."""
+    todo = iter(indices)
     outcomes: list[Outcome] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(CLIENT_TIMEOUT_S)
@@ -259,12 +268,16 @@ async def drive(
     ) as client:
 
         async def worker() -> None:
-            while not queue.empty():
-                req = queue.get_nowait()
+            for i in todo:
+                req = plan.request(i)
                 if req.raw:
-                    outcomes.append(await send_raw(server.port, name, req))
+                    outcome = await send_raw(server.port, name, req)
                 else:
-                    outcomes.append(await send_http(client, name, req))
+                    outcome = await send_http(client, name, req)
+                if outcome.problem is None:
+                    light = Request(req.kind, req.index, req.variant, req.method, req.path)
+                    outcome = dataclasses.replace(outcome, request=light)
+                outcomes.append(outcome)
 
         await asyncio.gather(*[worker() for _ in range(concurrency)])
     return outcomes
@@ -322,11 +335,15 @@ def run(
             report.counts[name] = count
             server.wait_ready()
             openapi = httpx.get(server.url("/openapi.json"), timeout=30).json()
-            todo = plan(seed, name, count, openapi)
-            if index is not None:
-                todo = todo[index : index + 1]
-            report.outcomes += asyncio.run(drive(server, name, todo, concurrency))
+            todo = Plan(seed, name, count, openapi)
+            indices = range(count) if index is None else range(index, index + 1)
+            began = time.monotonic()
+            outcomes = asyncio.run(drive(server, name, todo, indices, concurrency))
+            report.outcomes += outcomes
             report.problems += settle(server, name)
+            failed = sum(o.problem is not None for o in outcomes)
+            print(f"fuzz: {name}: {len(outcomes)} requests in {time.monotonic() - began:.0f} s, "
+                  f"{failed} failed", file=sys.stderr, flush=True)  # fmt: skip
             started.pop(name).stop()
     finally:
         for server in started.values():
