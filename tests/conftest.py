@@ -25,6 +25,7 @@ _rss_after_collect = 0
 SLOWEST_FIRST = (
     "test_install.py",
     "test_multinode.py",
+    "test_multinode_partitions.py",
     "test_capture_safety.py",
     "test_multinode_modes.py",
     "test_cpu_decode.py",
