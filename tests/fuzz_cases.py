@@ -181,24 +181,28 @@ EXTREME: list[Any] = [
 UNICODE = ["\u0000", "\ud800", "\udfff", "é", "🙂" * 50, "\u202e\u200b", "\ufeff", "\x7f"]
 
 
-def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every path into a JSON value (object keys and list indices), the root excluded."""
+def _paths(value: Any, done: set[int], prefix: tuple = ()) -> list[tuple]:
+    """Every path into a JSON value (object keys and list indices), the root excluded, but
+    none inside a value already mutated (ids in ``done``): a repeated value is one object many
+    times, and a change inside it would be multiplied by every copy."""
     out: list[tuple] = []
+    if id(value) in done:
+        return out
     if isinstance(value, dict):
         for k, v in value.items():
             out.append((*prefix, k))
-            out += _paths(v, (*prefix, k))
+            out += _paths(v, done, (*prefix, k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
             out.append((*prefix, i))
-            out += _paths(v, (*prefix, i))
+            out += _paths(v, done, (*prefix, i))
     return out
 
 
 def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
     op = rng.choice(["type", "extreme", "huge", "empty", "nest", "unicode", "repeat"])
     if op == "type":
-        return op, rng.choice(WRONG_TYPES)
+        return op, copy.deepcopy(rng.choice(WRONG_TYPES))  # never the shared object itself
     if op == "extreme":
         return op, rng.choice(EXTREME)
     if op == "huge":
@@ -207,7 +211,7 @@ def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
         return op, rng.choice(["", [], {}, [[]], [""]])
     if op == "nest":
         value = old
-        for _ in range(rng.choice([2, 20, 300])):
+        for _ in range(rng.choice([2, 20, 250])):
             value = rng.choice([[value], {"a": value}])
         return op, value
     if op == "unicode":
@@ -222,13 +226,15 @@ def mutate(rng: random.Random, body: dict[str, Any]) -> tuple[str, dict[str, Any
     """``body`` with one to three fields deleted, retyped or replaced; the mutations' names."""
     body = copy.deepcopy(body)
     names = []
+    done: set[int] = set()  # the containers made by the mutations so far
     for _ in range(rng.randint(1, 3)):
-        paths = _paths(body)
+        paths = _paths(body, done)
         if not paths or rng.random() < 0.1:
             key = rng.choice(
                 ["logit_bias", "best_of", "suffix", "tool_choice", "\u00e9", "x" * 300]
             )
-            body[key] = rng.choice([*WRONG_TYPES, *EXTREME[:6]])
+            body[key] = copy.deepcopy(rng.choice([*WRONG_TYPES, *EXTREME[:6]]))
+            done.add(id(body[key]))
             names.append(f"add:{key[:12]}")
             continue
         path = rng.choice(paths)
@@ -240,6 +246,7 @@ def mutate(rng: random.Random, body: dict[str, Any]) -> tuple[str, dict[str, Any
             names.append(f"delete:{path[-1]}")
             continue
         op, parent[path[-1]] = _mutated_value(rng, parent[path[-1]])
+        done.add(id(parent[path[-1]]))
         names.append(f"{op}:{path[-1]}")
     return ",".join(str(n) for n in names), body
 

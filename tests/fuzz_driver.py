@@ -325,9 +325,12 @@ def run(
 ) -> Report:
     """``requests`` in all, split evenly over ``servers`` (started together, fuzzed one after
     another); ``index`` sends only that request of each server's plan (a replay)."""
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="tandem-fuzz-") as tmp:
+            return run(requests, seed, servers, concurrency, index, Path(tmp))
     report = Report(seed, requests)
     start = time.monotonic()
-    models = build_models(root or Path(tempfile.mkdtemp(prefix="tandem-fuzz-")))
+    models = build_models(root)
     started = {name: start_server(name, models) for name in servers}  # they load side by side
     try:
         for i, (name, server) in enumerate(list(started.items())):
