@@ -112,6 +112,7 @@ def _own_grammar(spec: StructuredSpec) -> str:
             schema = json.loads(spec.text)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
+            _check_type_lists(schema)
             return m.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if spec.kind == "regex":
             return m.grammar_from_regex(spec.text)
@@ -122,6 +123,24 @@ def _own_grammar(spec: StructuredSpec) -> str:
         return m.grammar_from_lark(spec.text)
     except (ValueError, TypeError, RecursionError) as e:
         raise StructuredOutputError(f"invalid: {e}", spec.param) from None
+
+
+def _check_type_lists(schema: dict[str, Any]) -> None:
+    """JSON Schema's ``type`` lists must not repeat a type. llguidance compiles a repeated one
+    into as many alternatives, and thousands of them pass its parser's row limit only once the
+    output starts: the request failed mid-generation."""
+    todo: list[Any] = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            types = node.get("type")
+            if isinstance(types, list):
+                seen = [t for t in types if isinstance(t, str)]
+                if len(set(seen)) != len(seen):
+                    raise ValueError(f"a 'type' list repeats a type ({len(types)} entries)")
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
 
 
 def to_grammar(spec: StructuredSpec) -> str:

@@ -100,3 +100,23 @@ def test_forced_call_whose_grammar_passes_the_size_limit_is_a_400(tool_choice) -
     small = {**BIG_SCHEMA_TOOL, "function": {"name": "get_weather", "parameters": {}}}
     req = req.model_copy(update={"tools": [req.tools[0].model_validate(small)]})
     assert plan_tools(req.tools, req.tool_choice, None).grammar() is not None
+
+
+def test_json_schema_whose_type_list_repeats_a_type_is_a_400() -> None:
+    """Caught by the driver (seed 1, spec #8944): a response_format schema whose ``type`` list
+    held "object" 5,000 times compiled, then passed the grammar parser's row limit at the first
+    token: the request failed mid-generation, a 500 (a server error inside a stream)."""
+    import json
+
+    from tandem.engine.structured_output import StructuredOutputError, StructuredSpec, to_grammar
+    from tandem.server.serving import engine_error_to_api
+
+    param = "response_format.json_schema"
+    nested = {"type": "object", "properties": {"a": {"type": ["string", "null", "string"]}}}
+    for schema in ({"type": ["object"] * 5000}, nested):
+        with pytest.raises(StructuredOutputError) as refused:
+            to_grammar(StructuredSpec("json_schema", json.dumps(schema), param))
+        error = engine_error_to_api(refused.value)
+        assert error.status == 400 and error.param == param and "repeats a type" in error.message
+    unique = {"type": ["object", "null"], "properties": {"a": {"type": ["string", "integer"]}}}
+    assert to_grammar(StructuredSpec("json_schema", json.dumps(unique), param))
