@@ -41,7 +41,9 @@ from fuzz_cases import (
 from server_utils import RemoteServer, is_openai_error, metric, scrape_metrics, wait_until
 
 SERVERS = ("spec", "tp2", "dp2")
-CLIENT_TIMEOUT_S = 60.0  # longer than any answer takes: a request past it is a hang
+# Longer than any answer takes: a request past it is a hang. The longest are requests without
+# an output limit (up to the whole context, some 500 tokens), 24 at a time on a busy machine.
+CLIENT_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 60.0  # the drain after the last request
 BASE_ARGS = [
     "--served-model-name", MODEL, "--max-num-seqs", "24", "--max-waiting-requests", "16",
