@@ -44,8 +44,8 @@ from server_utils import REPO, RemoteServer, metric, scrape_metrics, tiny_mtp_mo
 REQUESTS = int(os.environ.get("TANDEM_SOAK_REQUESTS", "600"))
 
 # The leaky server of test_leak_is_caught: bytes kept per request, and requests sent.
-LEAK_BYTES = int(os.environ.get("TANDEM_SOAK_LEAK_BYTES", "65536"))
-LEAK_REQUESTS = int(os.environ.get("TANDEM_SOAK_LEAK_REQUESTS", "300"))
+LEAK_BYTES = int(os.environ.get("TANDEM_SOAK_LEAK_BYTES", str(512 << 10)))
+LEAK_REQUESTS = int(os.environ.get("TANDEM_SOAK_LEAK_REQUESTS", "150"))
 CLIENTS = 64
 NAME = "soak"
 LABEL = {"model_name": NAME}
@@ -72,9 +72,13 @@ TOOL_SHARE = 0.1  # of chat requests
 # two runs): the API's by 5.8 and 4.9 MB (most in the first 5,000, then flat: under 1 MB over
 # the last 14,000); the engine's, once primed, by 1.9 MB. Over 1,250: API 2.7, engine 0.7 MB.
 # A 1 KB per request leak adds 19 MB over 19,000 requests: 24 MB or more, over the 17.5 allowed.
+# The bounded slice (under 10,000 requests) allows 32 MB: one of its runs saw the engine's RSS
+# move 14 MB between two rounds of 100 on a loaded machine; it catches large leaks only (its
+# leaky server keeps 512 KB per request: 75 MB over 150), `make soak` the 1 KB one.
 TOLERANCE = 0.10
 RSS_PER_REQUEST = 512
-RSS_NOISE = 8 << 20
+SOAK_NOISE, SLICE_NOISE = 8 << 20, 32 << 20
+RSS_NOISE = SOAK_NOISE if REQUESTS >= 10_000 else SLICE_NOISE
 
 pytestmark = pytest.mark.timeout(REQUESTS // 10 + LEAK_REQUESTS // 10 + 300)
 
@@ -486,10 +490,12 @@ def fitted_growth(requests: list[int], rss: list[int]) -> float:
     return slope * (requests[-1] - requests[0])
 
 
-def leaks(name: str, requests: list[int], footprints: list[Footprint]) -> list[str]:
+def leaks(
+    name: str, requests: list[int], footprints: list[Footprint], noise: int = RSS_NOISE
+) -> list[str]:
     """What grew too much from the first checkpoint (the warm-up) to the last: each of RSS,
     fds and threads by more than ``TOLERANCE``, RSS (its fitted line) by more than
-    ``RSS_PER_REQUEST`` per request plus ``RSS_NOISE``."""
+    ``RSS_PER_REQUEST`` per request plus ``noise``."""
     warm, end = footprints[0], footprints[-1]
     out = [
         f"{name}: {f} {getattr(warm, f)} -> {getattr(end, f)}, over {TOLERANCE:.0%}"
@@ -498,10 +504,10 @@ def leaks(name: str, requests: list[int], footprints: list[Footprint]) -> list[s
     ]
     n = requests[-1] - requests[0]
     growth = fitted_growth(requests, [f.rss for f in footprints])
-    if growth > RSS_NOISE + RSS_PER_REQUEST * n:
+    if growth > noise + RSS_PER_REQUEST * n:
         out.append(
             f"{name}: RSS grew {growth / 1024:.0f} KiB over {n} requests "
-            f"({growth / max(n, 1):.0f} B per request; allowed: {RSS_NOISE >> 10} KiB + "
+            f"({growth / max(n, 1):.0f} B per request; allowed: {noise >> 10} KiB + "
             f"{RSS_PER_REQUEST} B per request)"
         )
     return out
@@ -514,7 +520,8 @@ def test_leaks_flags_growth() -> None:
     warm = Footprint(rss=400 << 20, fds=20, threads=10)
 
     def run(rss: list[int], fds: int = 20, threads: int = 10) -> list[str]:
-        return leaks("api", at, [warm] + [Footprint(r, fds, threads) for r in rss[1:]])
+        footprints = [warm] + [Footprint(r, fds, threads) for r in rss[1:]]
+        return leaks("api", at, footprints, noise=SOAK_NOISE)
 
     noise = [warm.rss + (3 << 20) * (-1) ** i for i in range(20)]  # +-3 MiB, no trend
     assert run(noise) == [] and run(noise, fds=21, threads=11) == []
