@@ -95,7 +95,7 @@ fuzz: setup
 # of the API and engine processes after each round and fails if any grew over 10 % after the
 # first round, or the RSS (its fitted line) by more than 0.5 KB per request plus 8 MB. Then the
 # same soak against a server that leaks SOAK_LEAK_BYTES per request (tests/leaky_server.py) must
-# fail that check. `make test` runs a slice of the first (300 requests, a 32 MB noise allowance where `make soak` allows 8 MB; the leaky run only in make soak, the check itself on made-up numbers).
+# fail that check. `make test` runs a slice of the first (240 requests, a 32 MB noise allowance where `make soak` allows 8 MB; the leaky run only in make soak, the check itself on made-up numbers).
 SOAK_REQUESTS ?= 20000
 SOAK_LEAK_BYTES ?= 1024
 .PHONY: soak

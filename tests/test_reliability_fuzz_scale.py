@@ -12,7 +12,7 @@ import pytest
 from fuzz_cases import KINDS
 from fuzz_driver import SERVERS, judge, run, table
 
-SLICE = 240  # requests in all, a third per server
+SLICE = 180  # requests in all, a third per server
 SEED = 49
 
 pytestmark = pytest.mark.timeout(300)
