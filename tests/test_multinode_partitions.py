@@ -62,7 +62,11 @@ class Pair:
             headless=True,
             launcher=[*link.prefix(), sys.executable, "-m", "tandem.cli"],
         )
-        self.node0.wait_ready()
+        try:
+            self.node0.wait_ready()
+        except BaseException:  # neither node may outlive a failed start
+            self.stop()
+            raise
         self.family = _family(self.node0.proc.pid) + _family(self.node1.proc.pid)
 
     def body(self) -> dict:
