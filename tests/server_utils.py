@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -226,9 +227,14 @@ def metric(samples: dict, name: str, **labels: str) -> float:
 
 
 def is_openai_error(r: Any) -> bool:
-    """Whether ``r`` (a response: its ``json()``) is an error in OpenAI's shape."""
+    """Whether ``r`` (a response: its ``text``) is an error in OpenAI's shape."""
+    return is_openai_error_text(r.text)
+
+
+def is_openai_error_text(text: str) -> bool:
+    """Whether ``text`` is an error body in OpenAI's shape."""
     try:
-        body = r.json()
+        body = json.loads(text)
     except ValueError:
         return False
     err = body.get("error") if isinstance(body, dict) else None
