@@ -45,6 +45,7 @@ from tandem.engine.engine_core import (
 )
 from tandem.engine.input_processor import InputProcessor
 from tandem.engine.outputs import EngineStats, OutputAssembly, OutputDelta, RequestOutput
+from tandem.engine.process_exit import at_fork_point, mark_fork_point, name_process
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer import load_tokenizer
@@ -139,16 +140,18 @@ class AsyncLLM:
         return time.monotonic() - self._last_message < self.heartbeat_timeout_s
 
     def launch(self) -> None:
-        """Spawn the engine process (returns at once; ``start`` waits for it)."""
+        """Start the engine process (returns at once; ``start`` waits for it): forked from this
+        process where that is safe (``_can_fork_engine``), else a fresh interpreter."""
         if self._proc is not None:
             return
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork" if _can_fork_engine(self.config.device.type) else "spawn")
         self._in_q = ctx.Queue()
         self._out_q = ctx.Queue()
         self._proc = ctx.Process(
             target=_run_engine_core_in_env,
             args=(
                 self.env,
+                self.process_name,
                 self.engine_args,
                 self._in_q,
                 self._out_q,
@@ -419,11 +422,25 @@ class AsyncLLM:
         tracked.group._put((tracked.index, out))
 
 
-def _run_engine_core_in_env(env: dict[str, str], *args: Any) -> None:
-    """The engine process's entry: set ``env`` first (before CUDA starts, and so that the rank
-    processes it spawns inherit it), then run the engine loop."""
-    os.environ.update(env)
-    from tandem.engine.rank_process import mark_fork_point
+def _can_fork_engine(device_type: str) -> bool:
+    """Whether the engine process may be a fork of this one: a CPU engine, from a process at
+    the fork point it marked (``tandem serve``'s, before any thread or event loop starts; see
+    ``mark_fork_point``), outside any running event loop (whose signal wake-up socket and
+    handlers the child would share). A fork saves the fresh interpreter's imports of torch,
+    transformers and the engine (some 2.5 s of CPU per server start)."""
+    try:
+        asyncio.get_running_loop()
+        return False
+    except RuntimeError:
+        pass
+    return device_type == "cpu" and at_fork_point()
 
+
+def _run_engine_core_in_env(env: dict[str, str], name: str, *args: Any) -> None:
+    """The engine process's entry: name it (``/proc/PID/comm``: a forked engine keeps its
+    parent's command line), set ``env`` first (before CUDA starts, and so that the rank
+    processes it spawns inherit it), then run the engine loop."""
+    name_process(name)
+    os.environ.update(env)
     mark_fork_point()
     run_engine_core(*args)

@@ -332,6 +332,7 @@ def run_engine_core(
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        force=True,  # a forked engine inherits the API process's handler
     )
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -26,7 +26,8 @@ from tandem.engine.multinode import (
     report_failure,
     within,
 )
-from tandem.engine.rank_process import RankPlace, mark_fork_point, spawn_ranks
+from tandem.engine.process_exit import mark_fork_point
+from tandem.engine.rank_process import RankPlace, spawn_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,15 @@
-"""The life of a long-running process (the API server, the engine process, a rank): its garbage
-collector's pace, and its end once it has shut down in order."""
+"""The life of a long-running process (the API server, the engine process, a rank): its name and
+thread count as Linux sees them, its garbage collector's pace, and its end once it has shut down
+in order."""
 
 from __future__ import annotations
 
 import atexit
 import gc
+import multiprocessing
 import os
 import sys
+import threading
 from typing import NoReturn
 
 # Allocations between young-generation collections (Python's default: 700). An engine holds many
@@ -14,6 +17,53 @@ from typing import NoReturn
 # step: at the default, collections of the older generations that walk all of them took 40 %
 # of the engine's CPU time on 20,000 short requests (5.8 s of CPU against 3.6 s at 50,000).
 GC_YOUNG_THRESHOLD = 50_000
+
+
+def os_threads() -> int:
+    """This process's threads (Linux); -1 where it cannot tell (no fork then)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1
+
+
+# The thread count of this process where it marked itself a place to fork from
+# (``mark_fork_point``); None: never marked.
+_fork_point_threads: int | None = None
+
+
+def mark_fork_point() -> None:
+    """Called by a process that will start CPU processes (the API process for its engine, the
+    engine process or a headless node's launcher for ranks) once it has imported what they need
+    and before it runs parallel work: as long as it starts no thread after this call (no OpenMP
+    pool, no store server, no Python thread), they are forked from it, without a fresh
+    interpreter that imports torch, the engine and transformers again (some 2.5 s of CPU each).
+    Threads that exist at the mark (those of numpy's BLAS, made at import) are known to survive
+    a fork."""
+    global _fork_point_threads
+    _fork_point_threads = os_threads()
+
+
+def at_fork_point() -> bool:
+    """Whether a fork of this process now is as safe as at its mark: marked, its threads
+    countable, and none started since."""
+    return (
+        _fork_point_threads is not None
+        and _fork_point_threads > 0
+        and "fork" in multiprocessing.get_all_start_methods()
+        and threading.active_count() == 1
+        and os_threads() == _fork_point_threads
+    )
+
+
+def name_process(name: str) -> None:
+    """Name this process where ``ps -o comm`` and ``/proc/PID/comm`` show it (Linux keeps 15
+    bytes); a fork otherwise shows its parent's name, as its command line is its parent's."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def pace_garbage_collector() -> None:

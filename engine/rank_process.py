@@ -12,9 +12,7 @@ import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -41,7 +39,12 @@ from tandem.engine.distributed import (
     startup_timeout_s,
 )
 from tandem.engine.multinode import agree_in_world, await_world
-from tandem.engine.process_exit import exit_process, pace_garbage_collector
+from tandem.engine.process_exit import (
+    at_fork_point,
+    exit_process,
+    name_process,
+    pace_garbage_collector,
+)
 from tandem.engine.step import DPStepInput
 from tandem.engine.worker import Worker
 from tandem.models.device import cpu_threads
@@ -66,38 +69,8 @@ def serve_steps(worker: Worker, control: Any) -> None:
             gather_objects(out, control)
 
 
-# The thread count of this process where it marked itself a place to fork ranks from
-# (``mark_fork_point``); None: never marked, ranks come from a forkserver.
-_fork_point_threads: int | None = None
-
-
-def _os_threads() -> int:
-    """This process's threads (Linux); -1 where it cannot tell (no fork then)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return -1
-
-
-def mark_fork_point() -> None:
-    """Called first by a process that will start CPU ranks and has run no parallel work yet (the
-    engine process, a headless node's launcher): as long as it starts no thread after this call
-    (no OpenMP pool, no store server, no Python thread), its ranks are forked from it, as a
-    forkserver forks them from a process that only imported, without a fresh interpreter that
-    imports torch, the engine and transformers again (some 3 s of CPU per multi-rank server)."""
-    global _fork_point_threads
-    _fork_point_threads = _os_threads()
-
-
 def _can_fork(config: EngineConfig) -> bool:
-    return (
-        config.device.type == "cpu"
-        and _fork_point_threads is not None
-        and _fork_point_threads > 0
-        and "fork" in multiprocessing.get_all_start_methods()
-        and threading.active_count() == 1
-        and _os_threads() == _fork_point_threads
-    )
+    return config.device.type == "cpu" and at_fork_point()
 
 
 def rank_process_context(config: EngineConfig) -> multiprocessing.context.BaseContext:
@@ -209,6 +182,7 @@ def _spawned_rank_main(
     """Entry point of a spawned rank. Reports start-up stages and errors to its parent over
     ``conn``; exits when told to stop, when a collective fails or times out, or when its parent
     is gone."""
+    name_process(f"tandem-rank-{place.rank}")
     start_parent_watchdog()
     # Ctrl-C reaches the whole process group; rank 0 (or the node's launcher) stops this rank.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -535,10 +535,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tandem.engine.process_exit import pace_garbage_collector
+    from tandem.engine.process_exit import mark_fork_point, pace_garbage_collector
     from tandem.server.app import build_app
     from tandem.server.lifecycle import GracefulServer
 
+    mark_fork_point()  # imported, nothing started: the engine may fork from here
     pace_garbage_collector()  # as the engine's: requests and their streams are many objects
     level = "DEBUG" if ns.log_level == "trace" else ns.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -591,9 +592,11 @@ def serve(ns: argparse.Namespace) -> int:
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, stop)
 
     settings = server_settings_from(ns, on_engine_dead)
+    settings.launch_engine_first = True  # before uvicorn's loop: a CPU engine forks from here
     # The port is bound before anything loads: a busy port stops the server at once, not after
     # the engine has loaded the model, and nothing else can take the port meanwhile.
     sock = listen_socket(ns.host, ns.port)
+    os.register_at_fork(after_in_child=sock.close)  # a forked engine holds no HTTP port
     try:
         app = build_app(engine_args, settings)
     except OSError as e:  # e.g. a folder without tokenizer files

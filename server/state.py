@@ -56,6 +56,9 @@ class ServerSettings:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Called once when the engine is gone for good (start-up failed or it died).
     on_engine_dead: Callable[[str], None] | None = None
+    # Start the engine process as soon as its client exists (`tandem serve`: no thread has
+    # started yet, so a CPU engine is a fork of this process); else the app's start-up does.
+    launch_engine_first: bool = False
 
 
 def is_special_token(tokenizer: Any, text: str) -> bool:
@@ -96,6 +99,20 @@ class ServerState:
             on_dead=settings.on_engine_dead,
             log_level=settings.log_level,
         )
+        if settings.launch_engine_first:  # before the tokenizer's thread pool starts below
+            self.llm.launch()
+        try:
+            self._init_text_side(settings)
+        except BaseException:
+            self.llm.shutdown()
+            raise
+        self.created = int(time.time())
+        self.generation_defaults: dict[str, Any] = {}
+        self.start_error: str | None = None
+        self.draining = False  # shutting down: new requests get 503, in-flight ones finish
+
+    def _init_text_side(self, settings: ServerSettings) -> None:
+        """The tokenizer's side: token texts, the chat template, the reasoning parser."""
         self.tokenizer: Any = self.llm.tokenizer
         self.token_text = TokenText(self.tokenizer)
         template = resolve_chat_template(settings.chat_template, self.tokenizer)
@@ -110,10 +127,6 @@ class ServerState:
         # The end of the thinking as one token id, if the tokenizer has it (reasoning_tokens).
         self.think_end_id = single_token_id(self.tokenizer, THINK_END)
         self._special: dict[str, bool] = {}  # special_tokens' answers
-        self.created = int(time.time())
-        self.generation_defaults: dict[str, Any] = {}
-        self.start_error: str | None = None
-        self.draining = False  # shutting down: new requests get 503, in-flight ones finish
 
     def special_tokens(self, texts: Iterable[str]) -> frozenset[str]:
         """Which of ``texts`` the tokenizer holds as one special token: one that decoding with

@@ -64,6 +64,14 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def comm(pid: int) -> str:
+    """The process's name (``/proc/PID/comm``): the engine names itself ``tandem-engine``."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
@@ -164,7 +172,7 @@ class RemoteServer:
 
     def engine_pid(self) -> int:
         for pid in child_pids(self.proc.pid):
-            if "spawn_main" in cmdline(pid):
+            if comm(pid).startswith("tandem-engine"):
                 return pid
         raise RuntimeError("engine process not found")
 

@@ -18,7 +18,7 @@ import pytest
 from server_utils import (
     RemoteServer,
     child_pids,
-    cmdline,
+    comm,
     metric,
     scrape_metrics,
     tiny_model,
@@ -235,7 +235,7 @@ def test_dispatch_prefers_the_prefix_owner_within_the_load_slack(tmp_path_factor
 def test_killing_one_replica_makes_the_server_unhealthy(servers: Any) -> None:
     """Last in this file: it ends the two-replica server."""
     server = servers.two
-    engines = [p for p in child_pids(server.proc.pid) if "spawn_main" in cmdline(p)]
+    engines = [p for p in child_pids(server.proc.pid) if comm(p).startswith("tandem-engine")]
     assert len(engines) == 2, engines
     assert httpx.get(server.url("/health"), timeout=5).status_code == 200
     os.kill(engines[1], signal.SIGKILL)
