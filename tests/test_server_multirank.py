@@ -85,11 +85,14 @@ def test_multirank_server_equals_one_rank_then_a_killed_rank_is_fatal(model_dir,
 
 @pytest.mark.timeout(180)
 def test_sigterm_with_ranks_exits_zero_and_leaves_no_rank_process(model_dir):
+    """The engine (forked from the server) and its rank name themselves; SIGTERM ends all."""
     server = RemoteServer(model_dir, ["-tp", "2"])
     with server:
         family = _descendants(server.proc.pid)
         names = sorted(comm(p) for p in family)
         assert names[:2] == ["tandem-engine", "tandem-rank-1"], names  # (+ any helper)
+        # A CPU engine is a fork of the server process (its command line), not a fresh one.
+        assert cmdline(server.engine_pid()) == cmdline(server.proc.pid)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0
@@ -132,3 +135,28 @@ def test_ranks_are_forked_only_from_a_marked_process_that_started_no_thread(
     monkeypatch.setattr(process_exit, "os_threads", lambda: -1)
     process_exit.mark_fork_point()
     assert method() == "forkserver"  # threads cannot be counted here
+
+
+def test_the_engine_is_forked_only_from_a_marked_process_outside_an_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tandem serve` forks a CPU engine from the point it marked; an unmarked process, a CUDA
+    engine, a thread started since the mark or a running event loop get a fresh interpreter."""
+    import asyncio
+    import threading
+
+    from tandem.engine import async_llm, process_exit
+
+    monkeypatch.setattr(process_exit, "_fork_point_threads", None)
+    assert not async_llm._can_fork_engine("cpu")  # never marked (this test process)
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    process_exit.mark_fork_point()
+    assert async_llm._can_fork_engine("cpu")
+    assert not async_llm._can_fork_engine("cuda")
+
+    async def in_a_loop() -> bool:
+        return async_llm._can_fork_engine("cpu")
+
+    assert not asyncio.run(in_a_loop())
+    monkeypatch.setattr(process_exit, "os_threads", lambda: process_exit._fork_point_threads + 1)
+    assert not async_llm._can_fork_engine("cpu")
