@@ -298,7 +298,12 @@ def test_two_nodes_serve_like_one_rank_then_a_killed_node_1_ends_node_0(model_di
         statuses = health_until_exit(node0)
         assert _wait_exit(node0, 1) != 0
         assert 503 in statuses, statuses
-        assert "heartbeat failed" in node0.log_tail(100_000)
+        # Idle, node 0 notices at its next ping or, where a local rank saw the closed sockets
+        # first and exited, at its next health check (the order depends on the machine's load).
+        log = node0.log_tail(100_000)
+        assert "heartbeat failed" in log or "a rank process exited" in log, [
+            line for line in log.splitlines() if "ERROR" in line
+        ]
         node1.proc.wait(timeout=10)
         _assert_gone(sorted(family))
     finally:
