@@ -48,6 +48,7 @@ from tandem.engine.outputs import EngineStats, OutputAssembly, OutputDelta, Requ
 from tandem.engine.process_exit import at_fork_point, mark_fork_point, name_process
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutputError
 from tandem.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -379,7 +380,11 @@ class AsyncLLM:
             for rid in msg.request_ids:
                 tracked = self._tracked.pop(rid, None)
                 if tracked is not None:
-                    tracked.group._put(RequestFailedError(msg.message))
+                    tracked.group._put(
+                        RequestFailedError(msg.message)
+                        if msg.param is None
+                        else StructuredOutputError(msg.message, msg.param)
+                    )
         elif isinstance(msg, EngineDead):
             if self._closing:
                 return

@@ -105,6 +105,7 @@ class StepOutputs:
 class RequestsFailed:
     request_ids: list[str]
     message: str
+    param: str | None = None  # the request field at fault (RequestFailure); None: the server's
 
 
 @dataclass
@@ -298,10 +299,10 @@ def run_engine_loop(
                     live.discard(out.request_id)
             # Requests that ended with an error of their own (a grammar with no way on).
             take_failed = getattr(engine, "take_failed", None)
-            for rid, message in take_failed() if take_failed is not None else []:
-                live.discard(rid)
-                encoder.forget([rid])
-                out_q.put(RequestsFailed([rid], message))
+            for failure in take_failed() if take_failed is not None else []:
+                live.discard(failure.request_id)
+                encoder.forget([failure.request_id])
+                out_q.put(RequestsFailed([failure.request_id], failure.message, failure.param))
 
         now = time.monotonic()
         if not outputs and now - last_sent >= heartbeat_interval_s:

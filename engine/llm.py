@@ -9,6 +9,7 @@ from tandem.engine.config import EngineArgs
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured_output import StructuredOutputError
 
 
 class LLM:
@@ -66,8 +67,10 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                for rid, message in self.engine.take_failed():
-                    raise RuntimeError(f"request {rid} failed: {message}")
+                for failure in self.engine.take_failed():
+                    if failure.param is not None:  # the request's grammar
+                        raise StructuredOutputError(failure.message, failure.param)
+                    raise RuntimeError(f"request {failure.request_id} failed: {failure.message}")
         except BaseException:
             self.engine.abort_request([rid for rid, _, _ in pending if rid not in final])
             raise

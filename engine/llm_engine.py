@@ -12,7 +12,7 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
-from tandem.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from tandem.engine.outputs import CompletionOutput, EngineStats, RequestFailure, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -26,7 +26,12 @@ from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.suffix import SuffixProposer, pad_tree
 from tandem.engine.speculative.tree import verified_nodes
 from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
-from tandem.engine.structured_output import StepMasks, StructuredOutputManager, StructuredSpec
+from tandem.engine.structured_output import (
+    GrammarFailure,
+    StepMasks,
+    StructuredOutputManager,
+    StructuredSpec,
+)
 from tandem.engine.tokenizer import load_generation_config, load_tokenizer, model_eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -165,7 +170,7 @@ class LLMEngine:
             # The rank in this process masks drafts with the engine's compiler (a request's
             # grammar is compiled before it is scheduled); rank processes build their own.
             grammars.use_compiler(lambda: structured.compiler)
-        self.failed: list[tuple[str, str]] = []
+        self.failed: list[RequestFailure] = []
         self.new_grammars: list[StructuredSpec] = []  # see _send_grammars
         self.bitmask_width = -(-max(mc.vocab_size, len(self.tokenizer)) // 32)
 
@@ -222,15 +227,16 @@ class LLMEngine:
         for request in ready:
             self._schedule_request(request)
         for request, message in failed:
-            self._fail(request.request_id, message)
+            self._fail(request.request_id, message, request.params.structured.param)
 
-    def _fail(self, request_id: str, message: str) -> None:
-        """End a request with an error (``take_failed`` reports it)."""
+    def _fail(self, request_id: str, message: str, param: str | None = None) -> None:
+        """End a request with an error (``take_failed`` reports it); ``param``: the request field
+        at fault (its grammar), None for a fault of the server's."""
         self.abort_request(request_id)
-        self.failed.append((request_id, message))
+        self.failed.append(RequestFailure(request_id, message, param))
 
-    def take_failed(self) -> list[tuple[str, str]]:
-        """(request id, reason) of the requests that ended with an error since the last call."""
+    def take_failed(self) -> list[RequestFailure]:
+        """The requests that ended with an error since the last call."""
         failed, self.failed = self.failed, []
         return failed
 
@@ -371,8 +377,8 @@ class LLMEngine:
             request = by_id[rid]
             if request.is_finished:  # aborted while the step ran
                 continue
-            if rid in masks.dead:
-                self._fail(rid, masks.dead[rid])
+            if rid in masks.dead:  # the request's grammar has no way on
+                self._fail(rid, masks.dead[rid], request.params.structured.param)
                 continue
             emitted = result.token_ids[i]
             if self.num_spec_tokens:
@@ -542,8 +548,9 @@ class LLMEngine:
         result = self.structured.advance(request.request_id, token)
         if result == "stop":
             return RequestStatus.FINISHED_STOPPED
-        if result is not None:
-            self._fail(request.request_id, result)
+        if isinstance(result, GrammarFailure):
+            param = request.params.structured.param if result.request_at_fault else None
+            self._fail(request.request_id, result.message, param)
         return None
 
     @staticmethod

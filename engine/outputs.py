@@ -30,6 +30,17 @@ class RequestOutput:
     spec_stats: SpecStats | None = None  # speculative decoding counts, when speculating
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """A request that ended with an error: ``param`` names the request field at fault (its
+    grammar: ``response_format``, ``structured_outputs``, ``tool_choice``...), the client's to
+    fix; None for a fault of the server's."""
+
+    request_id: str
+    message: str
+    param: str | None = None
+
+
 @dataclass
 class EngineStats:
     num_running: int

@@ -271,6 +271,23 @@ class Histogram:
         return Histogram(self.buckets, list(self.counts), self.total, self.count)
 
 
+def matcher_error(matcher: Any) -> str:
+    """The first line of a matcher's error: the rest dumps its state and the whole grammar."""
+    return ((matcher.get_error() or "").strip().splitlines() or [""])[0]
+
+
+# How the matcher refuses a token its grammar does not allow (in its error message).
+TOKEN_REFUSED = "doesn't satisfy the grammar"
+
+
+@dataclass(frozen=True)
+class GrammarFailure:
+    """A token the request's matcher refused (``StructuredOutputManager.advance``)."""
+
+    message: str
+    request_at_fault: bool  # the grammar passed a matcher limit; False: an unmasked token
+
+
 @dataclass
 class StepMasks:
     """One step's bitmasks: ``masks[request_id]`` is a [ceil(V / 32)] int32 tensor (bit j of word
@@ -415,10 +432,13 @@ class StructuredOutputManager:
         for i, rid in enumerate(request_ids):
             m = matchers[i]
             lo = offsets[i]
-            if m.is_error() or not allowed[lo]:
+            if m.is_error():  # e.g. a limit of the parser passed along the drafts
+                out.dead[rid] = f"the grammar cannot be followed: {matcher_error(m)}"
+                continue
+            if not allowed[lo]:
                 out.dead[rid] = (
-                    "the structured output's grammar allows no token here "
-                    f"({m.get_error() or 'no token of this model continues the text'})"
+                    "the structured output's grammar allows no token here (no token of this "
+                    "model continues the text)"
                 )
                 continue
             for j in range(1, lens[i] + 1):
@@ -437,13 +457,23 @@ class StructuredOutputManager:
             return 0
         return int(m.validate_tokens(tokens))
 
-    def advance(self, request_id: str, token_id: int) -> str | None:
+    def advance(self, request_id: str, token_id: int) -> str | GrammarFailure | None:
         """Feed an emitted token to the request's matcher. Returns "stop" when the grammar is
-        complete (nothing but EOS may follow), an error message if the token was not allowed,
-        else None."""
+        complete (nothing but EOS may follow), a ``GrammarFailure`` if the matcher refused the
+        token, else None."""
         m = self.matchers[request_id]
         if not m.consume_token(token_id):
-            return f"the sampled token {token_id} broke the grammar: {m.get_error()}"
+            error = matcher_error(m)
+            # The mask forbids a token the grammar refuses: one sampled anyway is the server's
+            # fault. Any other refusal is a limit the grammar passed (e.g. the parser's items
+            # per row, as for an object of thousands of properties): the request's.
+            refused = TOKEN_REFUSED in error
+            return GrammarFailure(
+                f"the sampled token {token_id} broke the grammar: {error}"
+                if refused
+                else f"the grammar cannot be followed: {error}",
+                request_at_fault=not refused,
+            )
         return "stop" if m.is_stopped() else None
 
     def forget(self, request_id: str) -> None:

@@ -21,7 +21,13 @@ from checkpoints import build_eagle3_draft
 from server_utils import RemoteServer, metric, scrape_metrics, tiny_model
 from tandem import LLM, SamplingParams
 from tandem.engine.sampler import apply_token_bitmask
-from tandem.engine.structured_output import MAX_SPEC_CHARS, StepMasks, StructuredSpec
+from tandem.engine.structured_output import (
+    MAX_SPEC_CHARS,
+    GrammarFailure,
+    StepMasks,
+    StructuredOutputError,
+    StructuredSpec,
+)
 
 LABEL = {"model_name": "tiny"}
 MAX_TOKENS = 400
@@ -344,6 +350,51 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(server, client):
     jsonschema.validate(json.loads(text), SCHEMAS[0])
 
 
+# An object of 600 optional properties compiles and allows its first token ("{"); the parser
+# passes its items-per-row limit (2,407 items of 2,000) when that token is consumed (or drafted
+# past) mid-generation.
+ROW_LIMIT_SCHEMA = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string"} for i in range(600)},
+}
+
+
+@pytest.mark.parametrize("speculating", [False, True])
+def test_a_grammar_that_passes_the_parsers_row_limit_mid_generation_is_a_400(request, speculating):
+    """Caught by the fuzz driver's class of schemas: a grammar that compiles, then fails in the
+    matcher once generation has started, failed the request as a server error (500, or a
+    server_error event in a stream); it is the request's: a 400 naming response_format, an
+    invalid_request_error event then [DONE] in a stream, and the server goes on serving."""
+    server = request.getfixturevalue("spec_server" if speculating else "server")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 20,
+        "response_format": json_schema_format(ROW_LIMIT_SCHEMA),
+    }
+    err = bad(server, "/v1/chat/completions", body)
+    assert err["param"].startswith("response_format"), err
+    assert "cannot be followed" in err["message"] and "items" in err["message"], err
+    assert len(err["message"]) < 300, err  # not the matcher's dump of its state and grammar
+    events = []
+    with httpx.stream(
+        "POST", server.url("/v1/chat/completions"), json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error["param"].startswith("response_format"), error
+    small = obj({f"p{i}": {"type": "string"} for i in range(3)})
+    r = httpx.post(
+        server.url("/v1/chat/completions"),
+        json={**body, "max_tokens": 200, "response_format": json_schema_format(small)},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_metrics_show_compile_and_bitmask_time(server, client):
     schema = obj({"unique_to_the_metrics_test": {"type": "boolean"}})
     before = scrape_metrics(server)
@@ -408,8 +459,8 @@ def test_offline_requests_compile_each_grammar_once(llm, monkeypatch):
 
 
 def test_a_grammar_with_no_way_on_fails_the_request(llm, monkeypatch):
-    """A grammar that allows no token at some step ends its request with an error (no hang, no
-    unmasked token), and the engine goes on serving."""
+    """A grammar that allows no token at some step ends its request with an error naming the
+    request's field (no hang, no unmasked token), and the engine goes on serving."""
     spec = StructuredSpec("regex", "[0-9]{40}")
     real = llm.engine.structured.masks
     calls = []
@@ -423,14 +474,35 @@ def test_a_grammar_with_no_way_on_fails_the_request(llm, monkeypatch):
 
     monkeypatch.setattr(llm.engine.structured, "masks", dead_at_the_fourth_step)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured=spec)
-    with pytest.raises(RuntimeError, match="allows no token here"):
+    with pytest.raises(StructuredOutputError, match="allows no token here") as failed:
         llm.generate("a", params)
+    assert failed.value.param == spec.param  # the request's field, not a server fault
     monkeypatch.undo()
     assert len(calls) == 4
     assert not llm.engine.has_unfinished_requests()
     assert not llm.engine.structured.matchers and not llm.engine.structured.pending
     (out,) = llm.generate("a", params)
     assert re.fullmatch("[0-9]{40}", out.outputs[0].text)
+
+
+def test_a_refused_token_is_the_servers_fault_a_passed_limit_the_requests(llm):
+    """``advance``: a token outside the grammar can only come from a mask the server got wrong
+    (a server error); a token the mask allowed that passes a matcher limit is the request's."""
+    manager = llm.engine.structured
+    tok = llm.tokenizer
+    digits = StructuredSpec("regex", "[0-9]+")
+    manager.matchers["digits"] = manager.compiler.matcher(digits)
+    wide = StructuredSpec("json_schema", json.dumps(ROW_LIMIT_SCHEMA))
+    manager.matchers["wide"] = manager.compiler.matcher(wide)
+    try:
+        refused = manager.advance("digits", tok.encode("x", add_special_tokens=False)[0])
+        passed = manager.advance("wide", tok.encode("{", add_special_tokens=False)[0])
+    finally:
+        manager.forget("digits")
+        manager.forget("wide")
+    assert isinstance(refused, GrammarFailure) and not refused.request_at_fault, refused
+    assert isinstance(passed, GrammarFailure) and passed.request_at_fault, passed
+    assert "items" in passed.message and "\n" not in passed.message
 
 
 def test_a_slow_grammar_does_not_hold_up_other_requests(llm, monkeypatch):
