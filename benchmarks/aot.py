@@ -150,8 +150,10 @@ def subset(variants: list[Variant]) -> list[Variant]:
 
 
 def package_kernels() -> set[str]:
-    """Names of every ``@triton.jit`` function in the kernel modules (the coverage check): every
-    module of ``tandem.kernels``, so a new module's kernels are counted without a list here."""
+    """Names of every ``@triton.jit`` kernel in the kernel modules (the coverage check): every
+    module of ``tandem.kernels``, so a new module's kernels are counted without a list here.
+    A kernel's name ends in ``_kernel``; other jit functions are helpers that kernels call
+    (compiled inside them)."""
     import importlib
     import pkgutil
 
@@ -166,7 +168,10 @@ def package_kernels() -> set[str]:
         for info in pkgutil.iter_modules(tandem.kernels.__path__)
     ]
     return {
-        name.lstrip("_") for m in modules for name, obj in vars(m).items() if isinstance(obj, kinds)
+        name.lstrip("_")
+        for m in modules
+        for name, obj in vars(m).items()
+        if isinstance(obj, kinds) and name.endswith("_kernel")
     }
 
 

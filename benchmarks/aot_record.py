@@ -256,17 +256,18 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
             )  # fmt: skip
 
         yield f"attention {phase}", attend
-        if "sliding_window" in c and tree_mask is None:  # sinks, and a window on every other
-            for window in (None, c["sliding_window"]):  # layer (not with trees in Triton)
+        if "sliding_window" in c:  # sinks, and a window on every other layer (trees too)
+            for window in (None, c["sliding_window"]):
 
                 def attend_sinks(
                     t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl,
-                    window: int | None = window,
+                    window: int | None = window, tree_mask: Any = tree_mask,
                 ) -> Any:  # fmt: skip
                     q = empty(t, heads, head_dim)
                     return paged_attention(
                         q, cache, cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024,
                         use_triton=True, sinks=empty(heads, dt=torch.float32), window=window,
+                        tree_mask=tree_mask,
                     )  # fmt: skip
 
                 yield f"attention {phase} sinks window={window}", attend_sinks

@@ -41,6 +41,16 @@ if HAS_TRITON:
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _popcount64(x: tl.tensor) -> tl.tensor:
+        # Set bits of each int64 (SWAR: pair, nibble and byte sums, then the bytes' total;
+        # unsigned, so that bit 63 shifts in zeros).
+        x = x.to(tl.uint64)
+        x = x - ((x >> 1) & 0x5555555555555555)
+        x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+        return (((x * 0x0101010101010101) >> 56) & 0x7F).to(tl.int64)
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, out_ptr: tl.tensor,
         block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor, query_start_loc_ptr: tl.tensor,
@@ -63,8 +73,10 @@ if HAS_TRITON:
         # latent 512 + rope 64) thus never hold a whole row in registers or shared memory.
         # TREE: rows with a nonzero tree word see the prefix and the query rows of their word
         # (tree_mask_ptr is unused otherwise). WINDOW > 0: a row at position p sees keys
-        # p - WINDOW + 1 .. p only (sliding-window layers; not with TREE). SINKS: one logit per
-        # query head (sinks_ptr, natural log) joins each row's softmax denominator.
+        # p - WINDOW + 1 .. p only (sliding-window layers); with TREE, a tree row's position is
+        # its root's plus its depth (its word's bits less one: its ancestors and itself), as a
+        # query and as a key. SINKS: one logit per query head (sinks_ptr, natural log) joins each
+        # row's softmax denominator.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // NUM_DV
         dv0 = (tl.program_id(1) % NUM_DV) * BLOCK_DV
@@ -82,6 +94,9 @@ if HAS_TRITON:
         q_rows = q_ptr + tok * stride_qt + head * stride_qh  # [BLOCK_M] row starts
         if TREE:
             word = tl.load(tree_mask_ptr + tok, mask=row_valid, other=0)  # [BLOCK_M] int64
+            if WINDOW > 0:  # a tree row's position: its root's plus its depth
+                depth = _popcount64(word) - 1
+                q_win = tl.where(word != 0, ctx_len + depth, q_pos)
         dk = tl.arange(0, BLOCK_DK)
         if HEAD_DIM <= BLOCK_DK:  # one chunk: load the queries once
             q_one = tl.load(q_rows[:, None] + dk[None, :],
@@ -100,7 +115,9 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         kv_start = 0
         if WINDOW > 0:  # the first tile any row of this block still sees
-            first = tl.maximum(ctx_len + q_block * BLOCK_Q - WINDOW + 1, 0)
+            # (a tree row sits at its root's position or after: the block's lowest is ctx_len)
+            lowest = ctx_len if TREE else ctx_len + q_block * BLOCK_Q
+            first = tl.maximum(lowest - WINDOW + 1, 0)
             kv_start = (first // BLOCK_N) * BLOCK_N
         for start in range(kv_start, kv_end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -135,7 +152,15 @@ if HAS_TRITON:
                 tree_visible = (rel < 0)[None, :] | in_tree
                 visible = tl.where(word[:, None] != 0, tree_visible, visible)
             if WINDOW > 0:
-                visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
+                if TREE:  # a key among the tree's rows sits at its own row's position
+                    in_chunk = (rel >= 0) & (rel < q_len)
+                    k_word = tl.load(tree_mask_ptr + q_start + rel, mask=in_chunk & n_valid,
+                                     other=0)  # fmt: skip
+                    k_pos = tl.where(in_chunk & (k_word != 0),
+                                     ctx_len + _popcount64(k_word) - 1, n)  # fmt: skip
+                    visible = visible & (k_pos[None, :] > q_win[:, None] - WINDOW)
+                else:
+                    visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
             visible = visible & n_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))

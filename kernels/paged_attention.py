@@ -131,8 +131,6 @@ def paged_attention(
         )
     if use_triton is None:
         use_triton = gpu_paths(q) and HAS_TRITON
-    if (sinks is not None or window is not None) and tree_mask is not None and use_triton:
-        raise ValueError("the Triton kernel's sinks and sliding windows do not take a tree mask")
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")

@@ -19,7 +19,7 @@ exponents biased by 127) are dequantized at load; a bf16 checkpoint's ``gate_up_
 as for DeepSeek-V3 (models/moe.py), with its collectives under TP and attention DP.
 
 The sinks and sliding windows run in the Triton attention kernel (CUDA, and CPU tests through
-the interpreter; chains) and in ``paged_attention_reference`` on CPUs (chains and draft trees);
+the interpreter) and in ``paged_attention_reference`` on CPUs, chains and draft trees in both;
 the CPU fast path does not take them yet, and the experts loop over the experts a step routes
 to (a host read: no CUDA graph), so the engine refuses gpt-oss on CUDA (``check_gpt_oss``), and
 the fast path skips its layers (they are not plain Llama layers). The sliding layers' KV is the
@@ -55,7 +55,7 @@ from tandem.models.weights import (
 
 class SinkAttention(PagedAttention):
     """Paged attention with one sink logit per query head and an optional sliding window
-    (``paged_attention``'s ``sinks`` / ``window``; with draft trees in the reference only). The
+    (``paged_attention``'s ``sinks`` / ``window``; with draft trees too). The
     sinks are this rank's heads of ``self_attn.sinks``."""
 
     def __init__(
@@ -196,8 +196,7 @@ def check_gpt_oss(device: torch.device) -> None:
     if device.type != "cpu":
         raise ValueError(
             "gpt-oss runs on CPU devices only for now: its experts loop over the experts a step "
-            "routes to (a host read, no CUDA graph) and its tree attention with sliding windows "
-            "is in the torch path only (--device cpu)"
+            "routes to (a host read, no CUDA graph) (--device cpu)"
         )
 
 

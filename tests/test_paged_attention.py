@@ -514,6 +514,32 @@ def test_triton_sinks_and_window_match_reference(scenario, window):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("sinks", [False, True], ids=["window", "window-sinks"])
+def test_triton_tree_rows_with_window_match_reference(sinks):
+    """Draft trees on gpt-oss's layers in the Triton kernel: a tree row at its root's position
+    plus its depth (deeper than the window, so its window leaves the root behind) beside a
+    sequence without a tree (its rows' words 0) in the same step."""
+    from tandem.engine.speculative.tree import ancestor_mask, tree_attention_words
+
+    n, window = 7, 3
+    b = make_batch([(12, n + 1), (9, 4)], 8, 2, 16, block_size=4, seed=5)
+    # Siblings first, so rows sit past their depths: an ancestor at row 3 is at depth 1 (the
+    # window of its depth-4 descendant leaves it out, where row numbers would keep it in).
+    parents = torch.tensor([-1, -1, -1, 2, 3, 4, 0])
+    words = tree_attention_words(ancestor_mask(parents[None], n))[0]
+    tree_mask = torch.cat([words, torch.zeros(4, dtype=torch.int64)])
+    kw = {"window": window, "tree_mask": tree_mask}
+    if sinks:
+        kw["sinks"] = torch.randn(8, generator=torch.Generator().manual_seed(6)) * 2
+    out = paged_attention(*b.args(), use_triton=True, **kw)
+    ref = paged_attention_reference(*b.args(), **kw)
+    assert_close(out, ref, torch.float32)
+    chain = paged_attention_reference(*b.args(), **{**kw, "tree_mask": None})
+    assert not torch.allclose(ref[: n + 1], chain[: n + 1], atol=1e-3)  # the tree matters
+    assert not torch.allclose(ref, paged_attention_reference(*b.args()), atol=1e-3)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 def test_write_kv_cache_triton(dtype):
     _check_write(use_triton=True, dtype=dtype)
