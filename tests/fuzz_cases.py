@@ -200,7 +200,7 @@ def _paths(value: Any, done: set[int], prefix: tuple = ()) -> list[tuple]:
 
 
 def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
-    op = rng.choice(["type", "extreme", "huge", "empty", "nest", "unicode", "repeat"])
+    op = rng.choice(["type", "extreme", "huge", "empty", "nest", "unicode", "repeat", "wide"])
     if op == "type":
         return op, copy.deepcopy(rng.choice(WRONG_TYPES))  # never the shared object itself
     if op == "extreme":
@@ -214,6 +214,9 @@ def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
         for _ in range(rng.choice([2, 20, 250])):
             value = rng.choice([[value], {"a": value}])
         return op, value
+    if op == "wide":  # an object of many keys: a schema's properties, a tool's arguments
+        value = next(iter(old.values())) if isinstance(old, dict) and old else old
+        return op, {f"k{i}": copy.deepcopy(value) for i in range(rng.choice([50, 600, 3000]))}
     if op == "unicode":
         s = old if isinstance(old, str) else "x"
         cut = rng.randint(0, len(s))
