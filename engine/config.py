@@ -84,6 +84,9 @@ class ModelConfig:
         return int(self.hf_config.num_hidden_layers)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -92,8 +95,22 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
+    # "auto": the KV cache in the model's dtype; "fp8" (= "fp8_e4m3"): float8 e4m3 values with
+    # a per-tensor scale per layer (the checkpoint's k_scale / v_scale, else 1.0), half the
+    # bytes of bf16 per token (vLLM's --kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"one of {', '.join(KV_CACHE_DTYPES)}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "block_size",
@@ -817,6 +834,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_attention_dp: bool = False
@@ -968,6 +986,11 @@ class EngineArgs:
             from tandem.models.gpt_oss import check_gpt_oss
 
             check_gpt_oss(device)
+        if self.kv_cache_dtype != "auto" and device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU devices for now (the "
+                "PyTorch attention path); the Triton kernels read KV in the model's dtype"
+            )
         if spec is not None and spec.draft_quantization != "none":
             # Its int8 blocks are read by the CPU fast path's products only (one rank).
             where = "a CPU device" if device.type != "cpu" else None
@@ -986,6 +1009,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_blocks_override=self.num_kv_blocks,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -50,6 +50,7 @@ from tandem.engine.step import (
     num_dummy_blocks,
 )
 from tandem.engine.step_io import host_rows, prepare_step
+from tandem.kernels.paged_attention import FP8_KV_DTYPE
 from tandem.models.parallel import all_ranks_true
 
 
@@ -90,11 +91,13 @@ class ModelRunner:
 
     def cache_layers(self, dtype: torch.dtype) -> list[tuple[Any, torch.dtype]]:
         """Every attention layer with the dtype of its KV cache: ``dtype`` for the target's, the
-        head's own for a draft's (an Eagle3 head may run in another dtype)."""
+        head's own for a draft's (an Eagle3 head may run in another dtype); an FP8 cache
+        (``FP8_KV_DTYPE``) for every layer."""
         layers = [(a, dtype) for a in self.model.attention_layers()]
         draft = self.spec.draft if self.spec is not None else None
         if draft is not None:
-            layers += [(a, draft.dtype) for a in draft.attention_layers()]
+            draft_dtype = dtype if dtype == FP8_KV_DTYPE else draft.dtype
+            layers += [(a, draft_dtype) for a in draft.attention_layers()]
         return layers
 
     def kv_window(self) -> int | None:

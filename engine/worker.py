@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blo
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.tokenizer import load_tokenizer, model_eos_token_ids
 from tandem.kernels.cpu_decode import MAX_ROWS
+from tandem.kernels.paged_attention import FP8_KV_DTYPE
 from tandem.models.cpu_linears import (
     builtin_blocks,
     pack_cpu_linears,
@@ -85,6 +87,13 @@ def longest_request(config: EngineConfig, num_blocks: int) -> int:
     lookahead = spec.kv_lookahead if spec is not None else 0
     _, reserved = blocks_required(config)
     return (num_blocks - reserved) * config.cache_config.block_size - lookahead
+
+
+def kv_scales(attn: Any) -> tuple[float, float]:
+    """An attention layer's FP8 KV scales (K, V); MLA's latent row has one for both."""
+    if hasattr(attn, "kv_scale"):
+        return attn.kv_scale, attn.kv_scale
+    return attn.k_scale, attn.v_scale
 
 
 def num_kv_blocks(config: EngineConfig, bytes_per_block: int, held_bytes: int = 0) -> int:
@@ -230,7 +239,10 @@ class Worker:
             if mc.cpu_weights != "dtype":  # before the fast path packs its matrices
                 n = quantize_blocks_(self.model, builtin_blocks(mc.model, mc.cpu_weights))
                 logger.info("CPU weights %s: %d matrices in quantized blocks", mc.cpu_weights, n)
-            reason = enable_cpu_fast_path(self.model)
+            if config.cache_config.fp8_kv:  # its kernels read KV in the model's dtype
+                reason = f"--kv-cache-dtype {config.cache_config.kv_cache_dtype}"
+            else:
+                reason = enable_cpu_fast_path(self.model)
             if reason is None:
                 logger.info("CPU decode fast path on (steps of <= %d rows)", MAX_ROWS)
                 if spec is not None and spec.draft is not None:
@@ -285,7 +297,19 @@ class Worker:
             batch_sizes=gc.cuda_graph_batch_sizes,
             topk=sc.topk if sc is not None else 1,
         )
-        self.bytes_per_block = self.runner.kv_bytes_per_block(mc.dtype)
+        kv_dtype = FP8_KV_DTYPE if config.cache_config.fp8_kv else mc.dtype
+        if config.cache_config.fp8_kv and self.mapping.tp_rank == 0:
+            layers = [a for a, _ in self.runner.cache_layers(kv_dtype)]
+            scaled = [a for a in layers if kv_scales(a) != (1.0, 1.0)]
+            if scaled:
+                logger.info("KV cache in FP8 (e4m3): the checkpoint's scales for %d of %d "
+                            "layers", len(scaled), len(layers))  # fmt: skip
+            else:
+                logger.warning(
+                    "KV cache in FP8 (e4m3) with scale 1.0 for every layer (the checkpoint has "
+                    "no k_scale / v_scale): values past +-448 saturate"
+                )
+        self.bytes_per_block = self.runner.kv_bytes_per_block(kv_dtype)
         # Sliding-window layers keep their KV in a pool of their own, sized for the windows
         # of every running request (engine/block_manager.py); the rest of the budget is the
         # other layers'.
@@ -296,7 +320,7 @@ class Worker:
             # Never more than one pool for every layer would hold (and the null block).
             shared = num_kv_blocks(config, self.bytes_per_block) + 1
             self.window_num_blocks = min(window_group_blocks(config, self.window), shared)
-            window_bytes = self.runner.kv_bytes_per_block(mc.dtype, window_group=True)
+            window_bytes = self.runner.kv_bytes_per_block(kv_dtype, window_group=True)
             self.bytes_per_block -= window_bytes
         self.num_blocks = num_kv_blocks(
             config, self.bytes_per_block, self.window_num_blocks * window_bytes
@@ -314,7 +338,7 @@ class Worker:
                 self.max_model_len,
                 mc.max_model_len,
             )
-        self.runner.allocate_kv_cache(self.num_blocks, mc.dtype, self.window_num_blocks)
+        self.runner.allocate_kv_cache(self.num_blocks, kv_dtype, self.window_num_blocks)
         if mode is not None:  # capture every graph key now (reads the reserved dummy blocks)
             sizes = graph_batch_sizes(
                 config.scheduler_config.max_num_seqs, gc.cuda_graph_batch_sizes

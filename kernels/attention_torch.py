@@ -11,6 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# An FP8 KV cache (--kv-cache-dtype fp8): e4m3 values, each layer's K and V with a per-tensor
+# scale (value = stored x scale). CPU index kernels lack float8: its bytes are moved as uint8.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def gather_kv(flat: Tensor, slots: Tensor, dtype: torch.dtype, scale: float = 1.0) -> Tensor:
+    """Rows ``slots`` of a flat cache [num_slots, ...] in ``dtype``; an FP8 cache's values
+    dequantized (times its per-tensor ``scale``)."""
+    if flat.dtype != FP8_KV_DTYPE:
+        rows = flat.index_select(0, slots)
+        return rows if rows.dtype == dtype else rows.to(dtype)
+    rows = flat.view(torch.uint8).index_select(0, slots).view(FP8_KV_DTYPE).to(dtype)
+    return rows * scale if scale != 1.0 else rows
+
 
 def paged_attention_reference(
     q: Tensor,
@@ -26,6 +40,8 @@ def paged_attention_reference(
     tree_mask: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Plain per-sequence loop; obviously correct and slow. Same contract as `paged_attention`.
 
@@ -45,8 +61,8 @@ def paged_attention_reference(
             continue
         pos = torch.arange(seq_len, device=q.device)
         slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
-        k = k_cache.flatten(0, 1)[slots].float()  # [L, Hkv, D]
-        v = v_cache.flatten(0, 1)[slots].float()
+        k = gather_kv(k_cache.flatten(0, 1), slots, torch.float32, k_scale)  # [L, Hkv, D]
+        v = gather_kv(v_cache.flatten(0, 1), slots, torch.float32, v_scale)
         k = k.repeat_interleave(group, dim=1)  # [L, H, D]; head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
         qi = q[start:end].float()  # [ql, H, D]
@@ -207,7 +223,13 @@ def build_attention_plan(
 
 
 def paged_attention_torch(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttentionPlan, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Gather K/V into padded [B, S] form and run one SDPA call (fp32 accumulation inside).
 
@@ -218,8 +240,8 @@ def paged_attention_torch(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     B, Q, S = plan.num_seqs, plan.max_query_len, plan.max_seq_len
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
+    k = gather_kv(k_cache.view(-1, num_kv_heads, head_dim), plan.slots, q.dtype, k_scale)
+    v = gather_kv(v_cache.view(-1, num_kv_heads, head_dim), plan.slots, q.dtype, v_scale)
     k = k.view(B, S, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     v = v.view(B, S, num_kv_heads, head_dim).transpose(1, 2)
     if plan.causal and plan.pad_idx is not None:
@@ -262,6 +284,8 @@ def paged_attention_sinks_torch(
     sinks: Tensor | None = None,
     window: int | None = None,
     tree_mask: Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """gpt-oss's layers on the PyTorch path: the plan's gathered keys and mask (causal, length,
     a tree's when it was built with ``tree_mask``) narrowed to the last ``window`` positions,
@@ -275,10 +299,10 @@ def paged_attention_sinks_torch(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     B, Q, S = plan.num_seqs, plan.max_query_len, plan.max_seq_len
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.slots)
-    k = k.view(B, S, num_kv_heads, head_dim).float()
-    v = v.view(B, S, num_kv_heads, head_dim).float()
+    k = gather_kv(k_cache.view(-1, num_kv_heads, head_dim), plan.slots, torch.float32, k_scale)
+    v = gather_kv(v_cache.view(-1, num_kv_heads, head_dim), plan.slots, torch.float32, v_scale)
+    k = k.view(B, S, num_kv_heads, head_dim)
+    v = v.view(B, S, num_kv_heads, head_dim)
     if plan.pad_idx is None:  # one query token per sequence
         q_pad = q.reshape(B, 1, num_heads, head_dim)
     else:

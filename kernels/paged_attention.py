@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from tandem.kernels.attention_torch import (
+    FP8_KV_DTYPE,
     AttentionPlan,
     build_attention_plan,
     paged_attention_sinks_torch,
@@ -35,7 +36,7 @@ from tandem.kernels.attention_torch import (
 from tandem.kernels.attention_triton import paged_attention_triton, write_kv_cache_triton
 from tandem.kernels.launch import HAS_TRITON, gpu_paths
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["FP8_KV_DTYPE", "paged_attention", "write_kv_cache"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,8 +53,11 @@ def write_kv_cache(
     *,
     use_triton: bool | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store k, v [num_tokens, num_kv_heads, head_dim] at flat slots `slot_mapping` [num_tokens].
+    An FP8 cache (``FP8_KV_DTYPE``) stores k / ``k_scale`` and v / ``v_scale``.
 
     Negative slots (padding rows) are skipped. On CUDA a Triton kernel does the store without a
     host sync; on CPU a boolean filter is used (no device to sync with), or the filtered slots
@@ -65,9 +69,12 @@ def write_kv_cache(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     if use_triton is None:
         use_triton = gpu_paths(k) and HAS_TRITON
+    fp8 = k_flat.dtype == FP8_KV_DTYPE
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
+        if fp8:
+            raise ValueError("an FP8 KV cache is written on the PyTorch path only for now")
         write_kv_cache_triton(k, v, k_flat, v_flat, slot_mapping)
         return
     if plan is not None and plan.write_slots is not None:
@@ -78,6 +85,12 @@ def write_kv_cache(
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
         k, v = k[valid], v[valid]
+    if fp8:  # (CPU index kernels lack float8: its bytes are copied as uint8)
+        k = (k / k_scale if k_scale != 1.0 else k).to(FP8_KV_DTYPE)
+        v = (v / v_scale if v_scale != 1.0 else v).to(FP8_KV_DTYPE)
+        k_flat.view(torch.uint8).index_copy_(0, slots, k.view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slots, v.view(torch.uint8))
+        return
     k_flat.index_copy_(0, slots, k if k.dtype == k_flat.dtype else k.to(k_flat.dtype))
     v_flat.index_copy_(0, slots, v if v.dtype == v_flat.dtype else v.to(v_flat.dtype))
 
@@ -103,6 +116,8 @@ def paged_attention(
     tree_mask: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged KV cache.
 
@@ -115,7 +130,8 @@ def paged_attention(
     a nonzero word; a `plan` must have been built with it. `sinks` [num_heads] (one logit per
     query head in the softmax's denominator) and `window` (a row at position p sees keys
     p - window + 1 .. p): gpt-oss's layers, in the Triton kernel (no `tree_mask`) or on the
-    PyTorch path (`paged_attention_sinks_torch`).
+    PyTorch path (`paged_attention_sinks_torch`). An FP8 cache (``FP8_KV_DTYPE``: values
+    x `k_scale` / `v_scale`) is read on the PyTorch path only for now.
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -134,6 +150,8 @@ def paged_attention(
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
+        if k_cache.dtype == FP8_KV_DTYPE:
+            raise ValueError("an FP8 KV cache is read on the PyTorch path only for now")
         return paged_attention_triton(
             q,
             k_cache,
@@ -170,6 +188,7 @@ def paged_attention(
         )
     if sinks is not None or window is not None:
         return paged_attention_sinks_torch(
-            q, k_cache, v_cache, plan, scale, seq_lens, query_start_loc, sinks, window, tree_mask
-        )
-    return paged_attention_torch(q, k_cache, v_cache, plan, scale)
+            q, k_cache, v_cache, plan, scale, seq_lens, query_start_loc, sinks, window,
+            tree_mask, k_scale, v_scale,
+        )  # fmt: skip
+    return paged_attention_torch(q, k_cache, v_cache, plan, scale, k_scale, v_scale)

@@ -80,6 +80,9 @@ class PagedAttention(nn.Module):
         # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An FP8 cache's per-tensor scales (value = stored x scale): the checkpoint's, else 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec((self.num_kv_heads, self.head_dim), 2)
@@ -105,7 +108,10 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache is not bound to this attention layer")
         meta = self.group_meta(meta)
         plan = meta.attention_plan() if attend or not callable(meta.plan) else None
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=plan)
+        write_kv_cache(
+            k, v, self.k_cache, self.v_cache, meta.slot_mapping, plan=plan,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -127,5 +133,7 @@ class PagedAttention(nn.Module):
             tree_mask=meta.tree_mask,
             sinks=self.sinks,
             window=self.window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -137,7 +137,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         return Glm4MoeMTPDraft(config, mapping, num_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return load_glm4_moe_weights(self, weights, self.checkpoint_names)
+        return load_glm4_moe_weights(self, self.take_kv_scales(weights), self.checkpoint_names)
 
     def expected_weights(self) -> set[str]:
         skip = {"lm_head.weight"} if self.tie_word_embeddings else set()

@@ -260,7 +260,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                         raise ValueError(f"{head}.mlp.experts.{proj}_blocks: {e}") from None
                     fill(head, proj, "", dense.transpose(1, 2))  # [E, out, in] → [E, in, out]
 
-        loaded |= load_named_weights(self, others(), self.checkpoint_names)
+        loaded |= load_named_weights(self, self.take_kv_scales(others()), self.checkpoint_names)
         if pending:
             missing = sorted(k.replace("|", ".mlp.experts.") for k in pending)
             raise ValueError(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -383,6 +384,10 @@ def enable_cpu_fast_path(model: nn.Module) -> str | None:
     return reason
 
 
+# A layer's FP8 KV cache scale in a checkpoint: model.layers.N.self_attn.k_scale / v_scale.
+KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
 class LlamaForCausalLM(nn.Module):
     """Causal LM over the paged cache. ``forward`` gives hidden states; logits are computed
     separately on the rows that are sampled (``compute_logits``)."""
@@ -437,7 +442,23 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Load (name, tensor-or-slice) pairs; returns the parameter keys that were filled."""
-        return load_named_weights(self, weights, self.checkpoint_names)
+        return load_named_weights(self, self.take_kv_scales(weights), self.checkpoint_names)
+
+    def take_kv_scales(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The pairs but the layers' FP8 KV scales (``model.layers.N.self_attn.k_scale`` /
+        ``v_scale``, one number each, as FP8 checkpoints ship them), which are set on layer N's
+        attention (an FP8 cache stores K / k_scale; other caches ignore them)."""
+        for name, tensor in weights:
+            found = KV_SCALE_NAME.fullmatch(name)
+            if found is None:
+                yield name, tensor
+                continue
+            index = int(found[1])
+            if index >= self.config.num_hidden_layers:  # an MTP layer's: the draft's
+                continue
+            value = tensor if isinstance(tensor, torch.Tensor) else tensor[...]  # 0-dim too
+            attn = self.model.layers[index].self_attn.attn
+            setattr(attn, f"{found[2]}_scale", float(value.float().reshape(-1)[0]))
 
     def expected_weights(self) -> set[str]:
         """What ``load_weights`` must have filled for the model to be complete."""

@@ -58,6 +58,8 @@ class LatentPagedAttention(nn.Module):
         self.scale = scale
         # Bound by the model runner: [num_blocks, block_size, 1, kv_lora_rank + rope_dim].
         self.latent_cache = torch.empty(0)
+        # An FP8 cache's per-tensor scale (value = stored x scale; the row is key and value).
+        self.kv_scale = 1.0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec((1, self.kv_lora_rank + self.rope_dim), 1)
@@ -79,7 +81,8 @@ class LatentPagedAttention(nn.Module):
         entry = torch.cat([latent, k_pe], dim=-1).unsqueeze(1)  # [T, 1, C + R]
         cache = self.latent_cache
         # The row is key and value at once: both stores write the same row to the same slot.
-        write_kv_cache(entry, entry, cache, cache, meta.slot_mapping)
+        scales = {"k_scale": self.kv_scale, "v_scale": self.kv_scale}
+        write_kv_cache(entry, entry, cache, cache, meta.slot_mapping, **scales)
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, C + R]
         out = paged_attention(
             q,
@@ -93,6 +96,7 @@ class LatentPagedAttention(nn.Module):
             meta.max_seq_len,
             plan=meta.attention_plan(),
             tree_mask=meta.tree_mask,
+            **scales,
         )
         return out[..., : self.kv_lora_rank]  # the value is the latent part of the row
 

@@ -240,6 +240,12 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     )
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     eng.add_argument("--num-kv-blocks", type=int, default=None)
+    eng.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto: the model's dtype; fp8 (fp8_e4m3): float8 e4m3 with per-layer scales (the "
+        "checkpoint's k_scale / v_scale, else 1.0): twice the tokens for the same budget",
+    )
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     eng.add_argument(
         "--generation-config",
@@ -438,6 +444,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         enable_prefix_caching=ns.enable_prefix_caching,
         speculative_config=spec,
         num_kv_blocks=ns.num_kv_blocks,
+        kv_cache_dtype=ns.kv_cache_dtype,
         tensor_parallel_size=ns.tensor_parallel_size,
         data_parallel_size=ns.data_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,

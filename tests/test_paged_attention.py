@@ -367,6 +367,56 @@ def _check_write(use_triton: bool, dtype: torch.dtype) -> None:
     assert torch.equal(k_cache[5, 3], k[3])
 
 
+@pytest.mark.parametrize(
+    ("scenario", "kind"),
+    [("mixed", "plain"), ("verify", "tree"), ("mixed", "sinks-window"), ("decode", "plain")],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_an_fp8_cache_reads_as_its_dequantized_values(scenario, kind, dtype):
+    """--kv-cache-dtype fp8 on the PyTorch paths (plain, tree, sinks and window) and in the
+    reference: a cache of e4m3 values with scales attends as the dequantized cache does."""
+    from tandem.kernels.paged_attention import FP8_KV_DTYPE
+
+    b = make_batch(SCENARIOS[scenario], 8, 2, 16, block_size=4, dtype=dtype, seed=8)
+    k_scale, v_scale = 0.25, 3.0
+    k8 = (b.k_cache.float() / k_scale).to(FP8_KV_DTYPE)
+    v8 = (b.v_cache.float() / v_scale).to(FP8_KV_DTYPE)
+    kw: dict = {}
+    if kind == "tree":  # each sequence's four rows: a root and three children
+        words = torch.tensor([1, 3, 5, 9] * 3, dtype=torch.int64)
+        kw["tree_mask"] = words
+    if kind == "sinks-window":
+        kw["sinks"] = torch.randn(8, generator=torch.Generator().manual_seed(2))
+        kw["window"] = 5
+    fp8 = (b.q, k8, v8, *b.args()[3:])
+    deq = (b.q, (k8.float() * k_scale).to(dtype), (v8.float() * v_scale).to(dtype), *b.args()[3:])
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    ref = paged_attention_reference(*deq, **kw)
+    assert_close(paged_attention_reference(*fp8, **kw, **scales), ref, torch.float32)
+    assert_close(paged_attention(*fp8, **kw, **scales), ref, dtype)
+    assert not torch.allclose(paged_attention_reference(*fp8, **kw), ref, atol=1e-2)  # scales
+
+
+def test_an_fp8_cache_stores_values_over_their_scale():
+    from tandem.kernels.paged_attention import FP8_KV_DTYPE
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(4, 4, 2, 16, dtype=FP8_KV_DTYPE)
+    v_cache = torch.zeros(4, 4, 2, 16, dtype=FP8_KV_DTYPE)
+    slots = torch.tensor([5, -1, 0, 15])
+    k, v = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
+    write_kv_cache(k, v, k_cache, v_cache, slots, k_scale=0.5, v_scale=4.0)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            stored_k = k_cache.flatten(0, 1)[slot].float()
+            assert torch.equal(stored_k, (k[i] / 0.5).to(FP8_KV_DTYPE).float())
+            assert torch.equal(
+                v_cache.flatten(0, 1)[slot].float(), (v[i] / 4).to(FP8_KV_DTYPE).float()
+            )
+    with pytest.raises(ValueError, match="FP8 KV cache"):
+        write_kv_cache(k, v, k_cache, v_cache, slots, use_triton=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_write_kv_cache_torch(dtype):
     _check_write(use_triton=False, dtype=dtype)
