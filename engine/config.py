@@ -988,8 +988,9 @@ class EngineArgs:
             check_gpt_oss(device)
         if self.kv_cache_dtype != "auto" and device.type != "cpu":
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU devices for now (the "
-                "PyTorch attention path); the Triton kernels read KV in the model's dtype"
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU devices for now: the "
+                "Triton kernels' FP8 reads and writes have run through the interpreter only, "
+                "not yet on a GPU"
             )
         if spec is not None and spec.draft_quantization != "none":
             # Its int8 blocks are read by the CPU fast path's products only (one rank).

@@ -19,13 +19,14 @@ if HAS_TRITON:
     @triton.jit
     def _write_kv_kernel(
         k_ptr: tl.tensor, v_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor,
-        slot_ptr: tl.tensor,
+        slot_ptr: tl.tensor, inv_k_scale: tl.tensor, inv_v_scale: tl.tensor,
         stride_kt: tl.tensor, stride_kh: tl.tensor, stride_vt: tl.tensor, stride_vh: tl.tensor,
         stride_kcs: tl.tensor, stride_kch: tl.tensor, stride_vcs: tl.tensor, stride_vch: tl.tensor,
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
     ) -> None:  # fmt: skip
-        # One program per token; a negative slot masks the whole store (padding row).
+        # One program per token; a negative slot masks the whole store (padding row). KV_FP8:
+        # the cache holds e4m3 values of K / k_scale and V / v_scale.
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
@@ -37,6 +38,9 @@ if HAS_TRITON:
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
         k_dst = k_cache_ptr + slot * stride_kcs + h[:, None] * stride_kch + d[None, :]
         v_dst = v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :]
+        if KV_FP8:
+            k = k.to(tl.float32) * inv_k_scale
+            v = v.to(tl.float32) * inv_v_scale
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -55,6 +59,7 @@ if HAS_TRITON:
         q_ptr: tl.tensor, k_cache_ptr: tl.tensor, v_cache_ptr: tl.tensor, out_ptr: tl.tensor,
         block_tables_ptr: tl.tensor, seq_lens_ptr: tl.tensor, query_start_loc_ptr: tl.tensor,
         tree_mask_ptr: tl.tensor, sinks_ptr: tl.tensor, scale_log2e: tl.tensor,
+        v_scale: tl.tensor,
         stride_qt: tl.tensor, stride_qh: tl.tensor,
         stride_kb: tl.tensor, stride_ks: tl.tensor, stride_kh: tl.tensor,
         stride_vb: tl.tensor, stride_vs: tl.tensor, stride_vh: tl.tensor,
@@ -64,6 +69,7 @@ if HAS_TRITON:
         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
         DOT_FP32: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ) -> None:  # fmt: skip
         # Program = (sequence, kv head x value chunk, block of BLOCK_Q query tokens). Its BLOCK_M
         # rows pack BLOCK_Q tokens x GROUP query heads that share the kv head (GQA), so decode
@@ -76,7 +82,8 @@ if HAS_TRITON:
         # p - WINDOW + 1 .. p only (sliding-window layers); with TREE, a tree row's position is
         # its root's plus its depth (its word's bits less one: its ancestors and itself), as a
         # query and as a key. SINKS: one logit per query head (sinks_ptr, natural log) joins each
-        # row's softmax denominator.
+        # row's softmax denominator. KV_FP8: e4m3 keys and values, dequantized as they are
+        # read (k_scale folded into scale_log2e, v_scale applied to the output).
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // NUM_DV
         dv0 = (tl.program_id(1) % NUM_DV) * BLOCK_DV
@@ -137,6 +144,8 @@ if HAS_TRITON:
                                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # fmt: skip
                 k = tl.load(k_rows[:, None] + d[None, :],
                             mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # fmt: skip
+                if KV_FP8:
+                    k = k.to(q_ptr.dtype.element_ty)
                 if DOT_FP32:
                     s += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
                                 input_precision="ieee")  # fmt: skip
@@ -172,6 +181,8 @@ if HAS_TRITON:
             v_rows = v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh
             v = tl.load(v_rows[:, None] + dv[None, :],
                         mask=n_valid[:, None] & dv_valid[None, :], other=0.0)  # fmt: skip
+            if KV_FP8:
+                v = v.to(q_ptr.dtype.element_ty)
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -184,13 +195,21 @@ if HAS_TRITON:
             m_safe = tl.where(m_i == float("-inf"), sink, m_i)
             l_i = l_i + tl.exp2(sink - m_safe)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_FP8:
+            acc = acc * v_scale
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None] & dv_valid[None, :])  # fmt: skip
 
 
 def write_kv_cache_triton(
-    k: Tensor, v: Tensor, k_flat: Tensor, v_flat: Tensor, slot_mapping: Tensor
+    k: Tensor,
+    v: Tensor,
+    k_flat: Tensor,
+    v_flat: Tensor,
+    slot_mapping: Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -199,10 +218,11 @@ def write_kv_cache_triton(
     _check_last_dim_contiguous(k_flat, v_flat)
     launch(
         _write_kv_kernel, (num_tokens,), k.device,
-        k, v, k_flat, v_flat, slot_mapping,
+        k, v, k_flat, v_flat, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         num_kv_heads, head_dim, next_pow2(num_kv_heads), next_pow2(head_dim),
+        k_flat.dtype == torch.float8_e4m3fn,
     )  # fmt: skip
 
 
@@ -218,6 +238,8 @@ def paged_attention_triton(
     tree_mask: Tensor | None = None,
     sinks: Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -247,7 +269,7 @@ def paged_attention_triton(
         block_tables, seq_lens, query_start_loc,
         tree_mask.contiguous() if tree else seq_lens,  # unused without TREE
         sinks.float().contiguous() if sinks is not None else seq_lens,  # unused without SINKS
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -255,7 +277,7 @@ def paged_attention_triton(
         block_tables.stride(0),
         group, block_size, head_dim,
         block_q, block_m, block_n, block_dk, block_dv, num_dv, dot_fp32, tree,
-        window or 0, sinks is not None, **options,
+        window or 0, sinks is not None, k_cache.dtype == torch.float8_e4m3fn, **options,
     )  # fmt: skip
     return out
 

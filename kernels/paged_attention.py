@@ -73,9 +73,7 @@ def write_kv_cache(
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
-        if fp8:
-            raise ValueError("an FP8 KV cache is written on the PyTorch path only for now")
-        write_kv_cache_triton(k, v, k_flat, v_flat, slot_mapping)
+        write_kv_cache_triton(k, v, k_flat, v_flat, slot_mapping, k_scale, v_scale)
         return
     if plan is not None and plan.write_slots is not None:
         slots, rows = plan.write_slots, plan.write_rows
@@ -131,7 +129,7 @@ def paged_attention(
     query head in the softmax's denominator) and `window` (a row at position p sees keys
     p - window + 1 .. p): gpt-oss's layers, in the Triton kernel (no `tree_mask`) or on the
     PyTorch path (`paged_attention_sinks_torch`). An FP8 cache (``FP8_KV_DTYPE``: values
-    x `k_scale` / `v_scale`) is read on the PyTorch path only for now.
+    x `k_scale` / `v_scale`) is read by every path (e4m3 in Triton needs sm_89 or newer).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
@@ -150,8 +148,6 @@ def paged_attention(
     if use_triton:
         if not HAS_TRITON:
             raise RuntimeError("use_triton=True but triton is not installed")
-        if k_cache.dtype == FP8_KV_DTYPE:
-            raise ValueError("an FP8 KV cache is read on the PyTorch path only for now")
         return paged_attention_triton(
             q,
             k_cache,
@@ -164,6 +160,8 @@ def paged_attention(
             tree_mask,
             sinks,
             window,
+            k_scale,
+            v_scale,
         )
     if plan is None:
         plan = build_attention_plan(
