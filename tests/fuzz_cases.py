@@ -216,7 +216,9 @@ def _mutated_value(rng: random.Random, old: Any) -> tuple[str, Any]:
         return op, value
     if op == "wide":  # an object of many keys: a schema's properties, a tool's arguments
         value = next(iter(old.values())) if isinstance(old, dict) and old else old
-        return op, {f"k{i}": copy.deepcopy(value) for i in range(rng.choice([50, 600, 3000]))}
+        size = len(dumps(value)) + 8  # up to twice the body limit, as "repeat"
+        n = min(rng.choice([50, 600, 3000]), max(2, 2 * BODY_LIMIT // size))
+        return op, {f"k{i}": copy.deepcopy(value) for i in range(n)}
     if op == "unicode":
         s = old if isinstance(old, str) else "x"
         cut = rng.randint(0, len(s))
