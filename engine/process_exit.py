@@ -46,13 +46,14 @@ def mark_fork_point() -> None:
 
 def at_fork_point() -> bool:
     """Whether a fork of this process now is as safe as at its mark: marked, its threads
-    countable, and none started since."""
+    countable, and none started since (fewer is fine: numpy's BLAS stops its pool at a fork
+    and starts it again only at its next product, so a second fork sees one thread less)."""
     return (
         _fork_point_threads is not None
         and _fork_point_threads > 0
         and "fork" in multiprocessing.get_all_start_methods()
         and threading.active_count() == 1
-        and os_threads() == _fork_point_threads
+        and 0 < os_threads() <= _fork_point_threads
     )
 
 

@@ -18,6 +18,7 @@ import pytest
 from server_utils import (
     RemoteServer,
     child_pids,
+    cmdline,
     comm,
     metric,
     scrape_metrics,
@@ -237,6 +238,8 @@ def test_killing_one_replica_makes_the_server_unhealthy(servers: Any) -> None:
     server = servers.two
     engines = [p for p in child_pids(server.proc.pid) if comm(p).startswith("tandem-engine")]
     assert len(engines) == 2, engines
+    # Both replicas' engines are forks of the server process (the second fork too).
+    assert [cmdline(p) for p in engines] == [cmdline(server.proc.pid)] * 2
     assert httpx.get(server.url("/health"), timeout=5).status_code == 200
     os.kill(engines[1], signal.SIGKILL)
 
