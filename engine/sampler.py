@@ -280,9 +280,12 @@ def mask_banned(logits: Tensor, ban: Tensor, active: Tensor) -> Tensor:
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
-    """logits / temperature per row; greedy rows (temperature 0) are divided by 1."""
+    """logits / temperature per row; greedy rows (temperature 0) are divided by 1. A logit a
+    penalty or the division took past the largest float is held at it (+inf would make the
+    softmax NaN: inf - inf); -inf (masked) stays."""
     t = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature)
-    return logits / t.unsqueeze(1).to(logits.dtype)
+    scaled = logits / t.unsqueeze(1).to(logits.dtype)
+    return scaled.clamp(max=torch.finfo(scaled.dtype).max)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:

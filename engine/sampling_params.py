@@ -9,6 +9,9 @@ from typing import Any
 from tandem.engine.structured_output import StructuredSpec
 
 MAX_LOGPROBS = 20
+# The smallest normal float32 (the sampler computes in float32; a smaller penalty becomes 0,
+# and 0 times a grammar's masked -inf is NaN).
+MIN_REPETITION_PENALTY = 1.1754943508222875e-38
 # OpenAI's range for a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
 
@@ -67,8 +70,13 @@ class SamplingParams:
             raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 10:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10:
+            raise bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be in (0, 10] and at least 1.2e-38 (the sampler's float32 holds no "
+                "smaller positive number: it would be 0)",
+            )
         self.logit_bias = _check_logit_bias(self.logit_bias, bad)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")

@@ -120,3 +120,41 @@ def test_json_schema_whose_type_list_repeats_a_type_is_a_400() -> None:
         assert error.status == 400 and error.param == param and "repeats a type" in error.message
     unique = {"type": ["object", "null"], "properties": {"a": {"type": ["string", "integer"]}}}
     assert to_grammar(StructuredSpec("json_schema", json.dumps(unique), param))
+
+
+def test_a_repetition_penalty_float32_cannot_hold_is_a_400() -> None:
+    """Caught by the driver (seed 1, dp2 #15310): repetition_penalty 1e-308 passed the (0, 10]
+    check, became 0 in the sampler's float32, and 0 times a grammar's masked -inf made NaN
+    logits: the argmax took a token the grammar forbids, a 500."""
+    from tandem import SamplingParams
+    from tandem.server.serving import engine_error_to_api
+
+    with pytest.raises(ValueError, match="repetition_penalty") as refused:
+        SamplingParams(repetition_penalty=1e-308)
+    error = engine_error_to_api(refused.value)
+    assert error.status == 400 and error.param == "repetition_penalty"
+    assert SamplingParams(repetition_penalty=1.2e-38).repetition_penalty == 1.2e-38
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_penalty_that_overflows_the_logits_samples_what_the_grammar_allows(
+    tmp_path: Path, temperature: float
+) -> None:
+    """The smallest penalty float32 holds divides a positive logit past the largest float
+    (+inf): the logits are held at the largest float, so the softmax has no NaN and both greedy
+    and sampled rows keep to the grammar."""
+    from checkpoints import build_llama
+    from tandem import LLM, SamplingParams
+    from tandem.engine.structured_output import StructuredSpec
+
+    model = build_llama(tmp_path / "m")
+    with LLM(str(model), max_model_len=128) as llm:
+        words = llm.tokenizer.encode("yes no", add_special_tokens=False)
+        params = SamplingParams(
+            temperature=temperature, max_tokens=5, min_p=0.05, top_p=0.5, seed=0,
+            repetition_penalty=1.2e-38, presence_penalty=1.8,
+            logit_bias=dict.fromkeys(words, 100.0),  # (logit + 100) / 1.2e-38: +inf
+            structured=StructuredSpec.choice(["yes", "no"]),
+        )  # fmt: skip
+        outs = llm.generate(["yes no", "no yes yes"], params)
+    assert {o.outputs[0].text for o in outs} <= {"yes", "no"}
