@@ -99,6 +99,9 @@ class RemoteServer:
         max_model_len: int | None = MAX_MODEL_LEN,
     ) -> None:
         self.held: socket.socket | None = None
+        # A port free_port picked may be taken (an outgoing connection's ephemeral port) before
+        # the server binds it: such a start is retried on another (``wait_ready``).
+        self.picked_port = port is None and not headless
         if port is not None:
             self.port = port
         elif headless:  # no SO_REUSEADDR: the server cannot bind the port either
@@ -110,31 +113,35 @@ class RemoteServer:
         self.api_key = api_key
         self.model = model
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
-        cmd = [
+        self.command = [
             *(launcher or [sys.executable, "-m", "tandem.cli"]),
             "serve",
             *([str(model)] if model is not None else []),
             "--host",
             "127.0.0.1",
-            "--port",
-            str(self.port),
             *(["--max-model-len", str(max_model_len)] if max_model_len else []),
             *args,
         ]
         if api_key:
-            cmd += ["--api-key", api_key]
-        full_env = {**os.environ, **(env or {})}
-        full_env.pop("TANDEM_API_KEY", None)
+            self.command += ["--api-key", api_key]
+        self.env = {**os.environ, **(env or {})}
+        self.env.pop("TANDEM_API_KEY", None)
+        self.cwd = cwd or REPO
+        self.polls: list[tuple[int, int]] = []  # (/ready, /health) statuses while starting
+        self._launch()
+
+    def _launch(self) -> None:
+        self.log.seek(0)
+        self.log.truncate()
         self.proc = subprocess.Popen(
-            cmd,
-            cwd=cwd or REPO,
+            [*self.command, "--port", str(self.port)],
+            cwd=self.cwd,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env=full_env,
+            env=self.env,
             start_new_session=True,
         )
         self.pgid = self.proc.pid
-        self.polls: list[tuple[int, int]] = []  # (/ready, /health) statuses while starting
 
     @property
     def base_url(self) -> str:
@@ -156,8 +163,14 @@ class RemoteServer:
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Poll /ready (and /health) until ready; ``self.polls`` keeps what they answered."""
         deadline = time.monotonic() + timeout_s
+        retries = 3 if self.picked_port else 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if retries and "Address already in use" in self.log_tail():
+                    retries -= 1
+                    self.port = free_port()
+                    self._launch()
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 ready = httpx.get(self.url("/ready"), timeout=2.0).status_code

@@ -80,6 +80,10 @@ TOLERANCE = 0.10
 RSS_PER_REQUEST = 512
 SOAK_NOISE, SLICE_NOISE = 8 << 20, 32 << 20
 RSS_NOISE = SOAK_NOISE if REQUESTS >= 10_000 else SLICE_NOISE
+# Threads past TOLERANCE the slice allows: the API process's worker pools grow on demand up to
+# their bound (asyncio's default executor: cores + 4), and a slice's first round may not reach
+# it (one CI run: 9 -> 10). make soak allows none (its first round of 1,000 reaches the bounds).
+THREAD_SLACK = 0 if REQUESTS >= 10_000 else 1
 
 pytestmark = pytest.mark.timeout(REQUESTS // 10 + LEAK_REQUESTS // 10 + 300)
 
@@ -492,16 +496,21 @@ def fitted_growth(requests: list[int], rss: list[int]) -> float:
 
 
 def leaks(
-    name: str, requests: list[int], footprints: list[Footprint], noise: int = RSS_NOISE
+    name: str,
+    requests: list[int],
+    footprints: list[Footprint],
+    noise: int = RSS_NOISE,
+    thread_slack: int = THREAD_SLACK,
 ) -> list[str]:
     """What grew too much from the first checkpoint (the warm-up) to the last: each of RSS,
-    fds and threads by more than ``TOLERANCE``, RSS (its fitted line) by more than
-    ``RSS_PER_REQUEST`` per request plus ``noise``."""
+    fds and threads by more than ``TOLERANCE`` (threads: plus ``thread_slack``), RSS (its
+    fitted line) by more than ``RSS_PER_REQUEST`` per request plus ``noise``."""
     warm, end = footprints[0], footprints[-1]
+    slack = {"rss": 0, "fds": 0, "threads": thread_slack}
     out = [
         f"{name}: {f} {getattr(warm, f)} -> {getattr(end, f)}, over {TOLERANCE:.0%}"
         for f in ("rss", "fds", "threads")
-        if getattr(end, f) > getattr(warm, f) * (1 + TOLERANCE)
+        if getattr(end, f) > getattr(warm, f) * (1 + TOLERANCE) + slack[f]
     ]
     n = requests[-1] - requests[0]
     growth = fitted_growth(requests, [f.rss for f in footprints])
@@ -522,7 +531,7 @@ def test_leaks_flags_growth() -> None:
 
     def run(rss: list[int], fds: int = 20, threads: int = 10) -> list[str]:
         footprints = [warm] + [Footprint(r, fds, threads) for r in rss[1:]]
-        return leaks("api", at, footprints, noise=SOAK_NOISE)
+        return leaks("api", at, footprints, noise=SOAK_NOISE, thread_slack=0)
 
     noise = [warm.rss + (3 << 20) * (-1) ** i for i in range(20)]  # +-3 MiB, no trend
     assert run(noise) == [] and run(noise, fds=21, threads=11) == []
@@ -530,6 +539,10 @@ def test_leaks_flags_growth() -> None:
     (rss,) = run([warm.rss + 1024 * (x - 1000) for x in at])
     assert "RSS grew" in rss and "1024 B per request" in rss
     assert len(run([warm.rss] * 20, fds=23, threads=12)) == 2  # fds, threads over 10 %
+    nine = Footprint(warm.rss, 20, 9)  # the slice's slack: a pool's one more thread
+    grown = [nine, Footprint(warm.rss, 20, 10)]
+    assert leaks("api", at[:2], grown, thread_slack=1) == []
+    assert leaks("api", at[:2], grown, thread_slack=0) != []
 
 
 @dataclass

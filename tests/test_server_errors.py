@@ -376,3 +376,23 @@ def test_two_servers_on_one_port_one_serves_the_other_exits_cleanly(tmp_path_fac
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_picked_port_taken_before_the_server_binds_it_is_retried(tmp_path_factory, monkeypatch):
+    """The test harness's own race (one CI run lost a module's server to it): a port that
+    ``free_port`` picked can be taken (an outgoing connection's ephemeral port) before the
+    server binds it; ``RemoteServer`` starts the server again on another picked port."""
+    import server_utils
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = server_utils.free_port
+    monkeypatch.setattr(server_utils, "free_port", lambda: next(picks, None) or real())
+    try:
+        with RemoteServer(tiny_model(tmp_path_factory), []) as server:
+            assert server.port != taken.getsockname()[1]
+            assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 200
+    finally:
+        taken.close()
