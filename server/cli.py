@@ -419,7 +419,8 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         model = builtin_model_path()
         if dtype == "auto":  # the folder is float32; serve in what runs fastest here
             dtype = builtin_default_dtype(ns.device)
-            if cpu_weights == "auto":
+            # (an FP8 KV cache turns the fast path off: its matrices stay the dtype's then)
+            if cpu_weights == "auto" and ns.kv_cache_dtype == "auto":
                 cpu_weights = builtin_default_weights(ns.device)
         # The shipped Eagle3 head by default, and a shipped method gets its head; on the file's
         # own 4-bit blocks none by default: there plain decoding was faster at every load we

@@ -335,6 +335,11 @@ def test_serve_without_model_uses_the_builtin_model(
     assert engine_args_from(build_parser().parse_args(asked)).speculative_config["model"]
     q8 = engine_args_from(build_parser().parse_args(["serve", "--cpu-weights", "q8"]))
     assert q8.cpu_weights == "q8" and q8.dtype == args.dtype
+    # An FP8 KV cache turns the fast path off: the default weights are the dtype's (not q4,
+    # which would then be refused), with the shipped Eagle3 head.
+    fp8 = engine_args_from(build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"]))
+    assert fp8.cpu_weights == "auto" and fp8.speculative_config["method"] == "eagle3"
+    assert fp8.create_engine_config().model_config.cpu_weights == "dtype"
     monkeypatch.setenv(cpu_decode.ENV_VAR, "0")  # no fast path: fp32 products are faster
     assert engine_args_from(build_parser().parse_args(["serve"])).dtype == "float32"
     assert engine_args_from(build_parser().parse_args(["serve"])).cpu_weights == "dtype"
