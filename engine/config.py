@@ -177,7 +177,14 @@ class ParallelConfig:
     ``data_parallel_size`` N: N replicas of all that (each its own TP group and engine process)
     behind one API process (engine/dp_client.py). With ``enable_attention_dp`` it keeps its
     attention-DP meaning instead: it must equal the attention-DP width (the tensor-parallel
-    size) and creates no replicas."""
+    size) and creates no replicas.
+
+    MoE experts are always placed whole over the ranks (models/expert_parallel.py).
+    ``enable_expert_parallel`` (or ``expert_parallel_size`` > 1, which must equal the ranks):
+    under attention DP, rows travel all-to-all to their experts' ranks instead of being
+    all-gathered to every rank. ``enable_eplb``: expert load balancing every
+    ``eplb_step_interval`` engine steps, with ``num_redundant_experts`` extra copies per MoE
+    layer (needs expert parallelism over more than one rank)."""
 
     tensor_parallel_size: int = 1
     enable_attention_dp: bool = False
@@ -186,6 +193,11 @@ class ParallelConfig:
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; needed when nnodes > 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_parallel_size: int | None = None
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
         _require(
@@ -233,6 +245,53 @@ class ParallelConfig:
             )
         if self.dist_init_addr is not None:
             split_host_port(self.dist_init_addr)
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        if ep is not None:
+            _require(
+                isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1,
+                "expert_parallel_size",
+                ep,
+                "an integer >= 1",
+            )
+            if ep != tp:
+                raise ValueError(
+                    f"expert_parallel_size={ep} must equal the engine's ranks, "
+                    f"tensor_parallel_size={tp}: experts are spread over every rank (attention "
+                    "DP or TP inside, EP across)"
+                )
+        r = self.num_redundant_experts
+        _require(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0,
+            "num_redundant_experts",
+            r,
+            "an integer >= 0",
+        )
+        n = self.eplb_step_interval
+        _require(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+            "eplb_step_interval",
+            n,
+            "an integer >= 1",
+        )
+        if r and not self.enable_eplb:
+            raise ValueError(
+                f"num_redundant_experts={r} needs enable_eplb=True (--enable-eplb): the copies "
+                "are placed by the load balancer"
+            )
+        if self.enable_eplb and not self.expert_parallel:
+            raise ValueError("enable_eplb=True needs expert parallelism (--enable-expert-parallel)")
+        if self.enable_eplb and tp == 1:
+            raise ValueError(
+                "enable_eplb=True needs more than one rank (--tensor-parallel-size): one rank "
+                "holds every expert"
+            )
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.enable_expert_parallel or (self.expert_parallel_size or 1) > 1
 
     @property
     def num_replicas(self) -> int:
@@ -842,6 +901,11 @@ class EngineArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    enable_expert_parallel: bool = False
+    expert_parallel_size: int | None = None
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_step_interval: int = 3000
     served_model_name: str | None = None
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
@@ -1026,6 +1090,11 @@ class EngineArgs:
                 node_rank=self.node_rank,
                 dist_init_addr=self.dist_init_addr,
                 data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+                expert_parallel_size=self.expert_parallel_size,
+                enable_eplb=self.enable_eplb,
+                num_redundant_experts=self.num_redundant_experts,
+                eplb_step_interval=self.eplb_step_interval,
             ),
             device=device,
             speculative_config=spec,

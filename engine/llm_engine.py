@@ -33,6 +33,7 @@ from tandem.engine.structured_output import (
     StructuredSpec,
 )
 from tandem.engine.tokenizer import load_generation_config, load_tokenizer, model_eos_token_ids
+from tandem.models.moe import EplbStats
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class LLMEngine:
         self.scheduler = self.schedulers[0]
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
+        self.eplb = EplbStats()  # expert load balancing, as the ranks last reported it
         self.spec_stats = SpecStats()
         self.steps_by_draft_len: dict[int, int] = {}  # see EngineStats.spec_steps_by_draft_len
         # "adaptive": each request's draft length from its own acceptance; the draft loop's
@@ -370,6 +372,8 @@ class LLMEngine:
             self.timed_step = (len(scheduled), k_step, decode, step_start)
         # Attention DP: each rank's (advanced draft sampling, graph key) of this step.
         self.last_rank_paths = result.rank_paths
+        if result.eplb is not None:
+            self.eplb = result.eplb
         now = time.monotonic()
         outputs = []
         by_id = {s.request.request_id: s.request for s in scheduled}
@@ -654,6 +658,9 @@ class LLMEngine:
             # None until a constrained request came (the snapshot travels with every step).
             grammar_compile_time=self.structured.compile_times,
             grammar_mask_time=self.structured.mask_times.copy() if self.structured.used else None,
+            eplb_rebalances=self.eplb.rebalances,
+            eplb_imbalance_before=self.eplb.imbalance_before,
+            eplb_imbalance_after=self.eplb.imbalance_after,
         )
 
     def shutdown(self) -> None:

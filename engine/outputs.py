@@ -68,6 +68,11 @@ class EngineStats:
     # bitmask time per step that had constrained requests.
     grammar_compile_time: Histogram | None = None
     grammar_mask_time: Histogram | None = None
+    # Expert load balancing (--enable-eplb): rounds done; at the last, max / mean load per rank
+    # under the old placement and the new one.
+    eplb_rebalances: int = 0
+    eplb_imbalance_before: float = 0.0
+    eplb_imbalance_after: float = 0.0
 
 
 # ------------------------------------------------------------------ the engine process's queue

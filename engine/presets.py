@@ -204,4 +204,9 @@ def _validate_configs(checked: dict[str, Any]) -> None:
         enable_attention_dp=args.enable_attention_dp,
         enable_lm_head_tp_in_adp=args.enable_lm_head_tp_in_adp,
         data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        expert_parallel_size=args.expert_parallel_size,
+        enable_eplb=args.enable_eplb,
+        num_redundant_experts=args.num_redundant_experts,
+        eplb_step_interval=args.eplb_step_interval,
     )

@@ -122,6 +122,9 @@ def rank_mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> Para
         enable_attention_dp=pc.enable_attention_dp,
         enable_lm_head_tp_in_adp=pc.enable_lm_head_tp_in_adp,
         group=groups.tensor,
+        enable_expert_parallel=pc.expert_parallel,
+        num_redundant_experts=pc.num_redundant_experts,
+        enable_eplb=pc.enable_eplb,
     )
 
 

@@ -20,6 +20,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.speculative.interface import SpecMetadata, VerifyLayout
 from tandem.engine.structured_output import StructuredSpec
 from tandem.models.attention import AttentionMetadata
+from tandem.models.moe import EplbStats
 
 
 @dataclass
@@ -88,6 +89,7 @@ class StepOutput:
     # Attention DP: per rank (rank order once merged), whether the draft loop sampled
     # (advanced) and the step's graph key (None: eager).
     rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
+    eplb: EplbStats | None = None  # expert load balancing so far (every rank has the same)
 
 
 @dataclass
@@ -141,6 +143,7 @@ def drop_dummy(out: StepOutput) -> StepOutput:
         [out.draft_token_ids[i] for i in keep] if out.draft_token_ids else [],
         [out.draft_parents[i] for i in keep] if out.draft_parents else [],
         out.rank_paths,
+        out.eplb,
     )
 
 
@@ -155,6 +158,7 @@ def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
         merged.draft_token_ids += o.draft_token_ids
         merged.draft_parents += o.draft_parents
         merged.rank_paths += o.rank_paths
+        merged.eplb = merged.eplb or o.eplb
     return merged
 
 

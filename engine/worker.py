@@ -33,6 +33,7 @@ from tandem.models.cpu_linears import (
 )
 from tandem.models.llama import enable_cpu_fast_path
 from tandem.models.loader import load_draft, load_model
+from tandem.models.moe import ExpertBalancer
 from tandem.models.parallel import ParallelMapping
 from tandem.models.rotary import cover_positions
 
@@ -233,6 +234,11 @@ class Worker:
         cover_positions(self.model, positions)
         if spec is not None and spec.draft is not None:
             cover_positions(spec.draft, positions)
+        pc = config.parallel_config
+        self.eplb = None
+        if pc.enable_eplb:  # the target's MoE layers and the MTP layers'
+            modules = [self.model] + ([spec.draft] if spec is not None and spec.draft else [])
+            self.eplb = ExpertBalancer(modules, pc.eplb_step_interval)
         int8 = sc is not None and sc.draft_quantization == "int8"
         reason: str | None = f"the device is {config.device.type}"
         if config.device.type == "cpu":
@@ -366,5 +372,9 @@ class Worker:
         """A plain step, or (attention DP) every rank's entries, of which this rank runs its own
         and returns its own output."""
         if isinstance(step, DPStepInput):
-            return self.runner.execute_dp(step)
-        return self.runner.execute_plain(step)
+            out = self.runner.execute_dp(step)
+        else:
+            out = self.runner.execute_plain(step)
+        if self.eplb is not None:  # between steps, on every rank alike
+            out.eplb = self.eplb.step()
+        return out

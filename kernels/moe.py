@@ -67,7 +67,7 @@ def grouped_topk_reference(
     group_scores = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1)[0].sum(-1)
     groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-    keep = keep[:, :, None].expand(num_tokens, n_group, per_group).reshape(num_tokens, -1)
+    keep = keep[:, :, None].expand(num_tokens, n_group, per_group).reshape(num_tokens, num_experts)
     choice = choice.masked_fill(~keep, float("-inf"))
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
@@ -98,7 +98,7 @@ def moe_experts_reference(
     if ys:
         y = torch.cat(ys).float() * weights.reshape(-1)[order, None].float()
         out.index_copy_(0, order, y)
-    return out.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
+    return out.view(num_tokens, top_k, x.shape[1]).sum(1).to(x.dtype)
 
 
 def moe_experts_fp8_reference(

@@ -26,7 +26,7 @@ from tandem.models.mla import LatentPagedAttention, MLAAttention
 from tandem.models.moe import DeepseekV3MoE, RoutedExperts
 from tandem.models.mtp import MTPDraft, MTPLayer
 from tandem.models.parallel import ParallelMapping
-from tandem.models.weights import expected_keys
+from tandem.models.weights import expected_keys, load_param
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -54,44 +54,43 @@ def load_deepseek_weights(
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
         for target in rename(ckpt_name) or ():
-            filled: list[str]
+            # (our parameter, its shard, the keys it fills) for each place the tensor goes
+            places: list[tuple[str, Any, list[str]]]
             if m := _EXPERT.match(target):
                 prefix, owner = m.group(1), experts.get(m.group(1))
                 if owner is None:
                     raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
-                local = int(m.group(2)) - owner.first_expert
-                if not 0 <= local < owner.num_local:
-                    continue  # another rank's expert
-                if m.group(3) == "down_proj":
-                    name, shard, key = f"{prefix}.w2", local, f"{prefix}.w2#{local}"
-                else:
-                    part = _GATE_UP[m.group(3)]
-                    name, shard = f"{prefix}.w13", (local, part)
-                    key = f"{prefix}.w13#{local}.{part}"
-                filled = [key]
+                # Every local slot holding the expert (none: another rank's; redundant copies).
+                places = [
+                    _expert_place(prefix, slot, m.group(3))
+                    for slot in owner.slots_of(int(m.group(2)))
+                ]
             elif m := _FUSED_EXPERTS.match(target):
                 name = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
-                shard = "all"
                 filled = [
                     k
                     for k in _stacked_keys(m.group(1), experts.get(m.group(1)))
                     if k.startswith(name + "#")
                 ]
+                places = [(name, "all", filled)]
             else:
                 name, shard = target, None
                 for ckpt, sid in _GATE_UP.items():
                     if f".{ckpt}." in target:
                         name, shard = target.replace(ckpt, "gate_up_proj"), sid
-                filled = [name if shard is None else f"{name}#{shard}"]
-            if name not in params:
-                raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
-            param = params[name]
-            try:
-                param.weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"{ckpt_name}: {e}") from None
-            loaded.update(filled)
+                places = [(name, shard, [name if shard is None else f"{name}#{shard}"])]
+            for name, shard, filled in places:
+                load_param(params, name, tensor, shard, ckpt_name)
+                loaded.update(filled)
     return loaded
+
+
+def _expert_place(prefix: str, slot: int, proj: str) -> tuple[str, Any, list[str]]:
+    """One expert's projection in local slot ``slot``: (parameter, shard, filled key)."""
+    if proj == "down_proj":
+        return f"{prefix}.w2", slot, [f"{prefix}.w2#{slot}"]
+    part = _GATE_UP[proj]
+    return f"{prefix}.w13", (slot, part), [f"{prefix}.w13#{slot}.{part}"]
 
 
 def _stacked_keys(prefix: str, experts: RoutedExperts | None) -> list[str]:

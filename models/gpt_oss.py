@@ -42,7 +42,7 @@ from tandem.models.deepseek_v3 import DeepseekV3Model
 from tandem.models.layers import RMSNorm, RowParallelLinear
 from tandem.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
 from tandem.models.moe import DeepseekV3MoE
-from tandem.models.parallel import ParallelMapping, divide
+from tandem.models.parallel import ParallelMapping
 from tandem.models.weights import (
     copy_checked,
     default_weight_loader,
@@ -170,7 +170,10 @@ class GptOssMoE(DeepseekV3MoE):
         self.mapping = mapping
         self.adp = mapping.uses_adp_collectives
         h, inter = int(config.hidden_size), int(config.intermediate_size)
-        num_local = divide(int(config.num_local_experts), mapping.tp_size, "num_local_experts")
+        if mapping.enable_eplb:
+            raise ValueError("EPLB: gpt-oss's experts are placed once each (not balanced yet)")
+        self.set_placement(int(config.num_local_experts), "num_local_experts")
+        num_local = self.placement.slots_per_rank
         self.gate = GptOssRouter(config)
         self.experts = GptOssExperts(num_local, mapping.tp_rank * num_local, h, inter, config)
         self.shared_experts = None

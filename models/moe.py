@@ -1,10 +1,13 @@
 """DeepSeek-V3 mixture of experts: sigmoid router with grouped top-k, routed experts split across
 the TP group (expert parallelism), shared experts split like a dense MLP.
 
-Each rank holds ``n_routed_experts / tp`` whole experts and the TP shard of the shared experts,
-computes both for every token it is given, and one all-reduce sums the partial outputs. Under
-attention DP the MoE runs on every rank's rows: they are all-gathered (sized by
-``all_rank_num_tokens``), and each rank keeps its own rows of the summed output.
+Each rank holds ``(n_routed_experts + R) / tp`` whole physical experts (``R``: redundant copies,
+models/expert_parallel.py; 0 unless EPLB is on) and the TP shard of the shared experts, computes
+both for every token it is given, and one all-reduce sums the partial outputs. Under attention DP
+the MoE runs on every rank's rows: they are all-gathered (sized by ``all_rank_num_tokens``), and
+each rank keeps its own rows of the summed output; with expert parallelism on
+(``ParallelMapping.ep_dispatch``) a row goes only to the ranks holding its chosen experts
+(all-to-all dispatch and combine) and the shared experts are replicated, run on own rows.
 
 Checkpoint layout: ``mlp.gate.weight`` [E, H] and ``mlp.gate.e_score_correction_bias`` [E]
 (both kept in fp32), ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (or the fused
@@ -14,13 +17,22 @@ Checkpoint layout: ``mlp.gate.weight`` [E, H] and ``mlp.gate.e_score_correction_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.moe import grouped_topk, moe_experts
+from tandem.models.expert_parallel import (
+    AllToAllDispatcher,
+    ExpertPlacement,
+    balanced_placement,
+    move_expert_weights,
+    placement_imbalance,
+)
 from tandem.models.layers import MergedColumnParallelLinear, RowParallelLinear, silu_and_mul
 from tandem.models.parallel import (
     ParallelMapping,
@@ -74,14 +86,28 @@ class MoEGate(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """This rank's experts ``first_expert .. first_expert + num_local - 1``, stacked:
-    ``w13`` [num_local, 2I, H] (gate rows, then up rows) and ``w2`` [num_local, H, I]."""
+    """This rank's physical experts (slots) ``first_expert .. first_expert + num_local - 1``,
+    stacked: ``w13`` [num_local, 2I, H] (gate rows, then up rows) and ``w2`` [num_local, H, I].
+    ``slot_experts``: the logical (checkpoint) expert in each local slot; default slot i holds
+    expert ``first_expert + i``."""
 
-    def __init__(self, num_local: int, first_expert: int, hidden: int, inter: int) -> None:
+    def __init__(
+        self,
+        num_local: int,
+        first_expert: int,
+        hidden: int,
+        inter: int,
+        slot_experts: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self.num_local = num_local
         self.first_expert = first_expert
         self.inter = inter
+        self.slot_experts = (
+            list(range(first_expert, first_expert + num_local))
+            if slot_experts is None
+            else list(slot_experts)
+        )
         self.w13 = set_loader(
             nn.Parameter(torch.empty(num_local, 2 * inter, hidden), requires_grad=False),
             self.weight_loader,
@@ -119,9 +145,13 @@ class RoutedExperts(nn.Module):
             delattr(self, f"{name}_scale_inv")
         self.fp8_block = None
 
+    def slots_of(self, expert: int) -> list[int]:
+        """The local slots holding logical ``expert`` (none: another rank's)."""
+        return [s for s, e in enumerate(self.slot_experts) if e == expert]
+
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        """``shard_id``: (local expert, 0 = gate | 1 = up) for w13, the local expert for w2, or
-        "all" for a fused [E, ...] tensor of every expert (this rank reads its range)."""
+        """``shard_id``: (local slot, 0 = gate | 1 = up) for w13, the local slot for w2, or
+        "all" for a fused [E, ...] tensor of every expert (this rank reads its slots' experts)."""
         name = "w13" if param is self.w13 else "w2"
         if self.fp8_block is not None:
             if not (isinstance(loaded, DequantizedWeight) and loaded.block == self.fp8_block):
@@ -133,6 +163,17 @@ class RoutedExperts(nn.Module):
             if shape[1:] != tuple(param.shape[1:]):
                 raise ValueError(f"shape mismatch: checkpoint has {shape}")
             first, n = self.first_expert, self.num_local
+            if self.slot_experts != list(range(first, first + n)):  # one slot at a time
+                for slot, e in enumerate(self.slot_experts):
+                    if fp8:
+                        q, scale = loaded.raw(0, e, 1)
+                        copy_checked(param.data[slot : slot + 1], q)
+                        copy_checked(
+                            getattr(self, f"{name}_scale_inv")[slot : slot + 1], scale, "scales"
+                        )
+                    else:
+                        copy_checked(param.data[slot : slot + 1], loaded[e : e + 1])
+                return
             if fp8:
                 q, scale = loaded.raw(0, first, n)
                 copy_checked(param, q)
@@ -193,23 +234,139 @@ class DeepseekV3MoE(nn.Module):
         self.mapping = mapping
         self.adp = mapping.uses_adp_collectives
         h, inter = config.hidden_size, config.moe_intermediate_size
-        num_local = divide(int(getattr(config, experts_key)), mapping.tp_size, experts_key)
+        self.set_placement(int(getattr(config, experts_key)), experts_key)
+        num_local, first = self.placement.slots_per_rank, self.first_slot
         self.gate = MoEGate(config) if gate is None else gate
-        self.experts = RoutedExperts(num_local, mapping.tp_rank * num_local, h, inter)
+        self.experts = RoutedExperts(
+            num_local, first, h, inter, self.placement.slot_logical[first : first + num_local]
+        )
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
-        self.shared_experts = PartialMLP(h, inter * shared, mapping) if shared else None
+        # Dispatched rows stay on their rank: the shared experts are whole there.
+        dense = mapping.attn_mapping if mapping.ep_dispatch else mapping
+        self.shared_experts = PartialMLP(h, inter * shared, dense) if shared else None
+
+    def set_placement(self, num_experts: int, what: str) -> None:
+        """The physical experts over the TP group (``placement``, redundant copies included) and,
+        under attention DP with expert parallelism, the all-to-all ``dispatcher``."""
+        mapping = self.mapping
+        redundant = mapping.num_redundant_experts
+        if redundant == 0:
+            divide(num_experts, mapping.tp_size, what)
+        self.placement = ExpertPlacement(
+            num_experts, redundant, mapping.tp_size, mapping.enable_eplb
+        )
+        self.first_slot = mapping.tp_rank * self.placement.slots_per_rank
+        self.dispatcher = (
+            AllToAllDispatcher(
+                mapping.tp_rank, mapping.tp_size, self.placement.slots_per_rank, mapping.group
+            )
+            if mapping.ep_dispatch
+            else None
+        )
+
+    def rebalance(self) -> tuple[float, float, int]:
+        """EPLB, on every rank of the group at once: sum the slot loads counted since the last
+        call, place the experts for them (``balanced_placement``) and move the weights that
+        change rank. Returns (imbalance of the measured loads under the old placement, under
+        the new one, pairs counted)."""
+        p, mapping = self.placement, self.mapping
+        if not isinstance(self.experts, RoutedExperts) or not p.balanced:
+            raise ValueError(f"EPLB is off for {type(self.experts).__name__}")
+        loads = p.take_loads()
+        if mapping.tp_size > 1:
+            dist.all_reduce(loads, group=mapping.group)
+        expert_loads = p.expert_loads(loads.tolist())
+        old = p.slot_logical
+        new = balanced_placement(expert_loads, p.num_slots, p.num_ranks)
+        before = placement_imbalance(expert_loads, old, p.num_ranks)
+        after = placement_imbalance(expert_loads, new, p.num_ranks)
+        if new != old:
+            e = self.experts
+            names = ["w13", "w2"] + (["w13_scale_inv", "w2_scale_inv"] if e.fp8_block else [])
+            moved = move_expert_weights(
+                [getattr(e, n).data for n in names],
+                old,
+                new,
+                mapping.tp_rank,
+                p.num_ranks,
+                mapping.group,
+            )
+            for n, t in zip(names, moved, strict=True):
+                getattr(e, n).data.copy_(t)  # in place: CUDA graphs read these
+            first = self.first_slot
+            e.slot_experts = new[first : first + p.slots_per_rank]
+            p.set(new)
+        return before, after, int(sum(expert_loads))
 
     def forward(
         self, x: torch.Tensor, all_rank_num_tokens: list[int] | None = None
     ) -> torch.Tensor:
+        if self.adp and all_rank_num_tokens is None:
+            raise RuntimeError("attention DP: the MoE needs all_rank_num_tokens")
+        if self.dispatcher is not None:
+            assert all_rank_num_tokens is not None
+            weights, ids = self.gate(x)  # this rank's rows only
+            ids = self.placement.to_physical(ids, slice(None))
+            rx, rw, rids, handle = self.dispatcher.dispatch(
+                x, weights, ids, max(all_rank_num_tokens)
+            )
+            out = self.dispatcher.combine(self.experts(rx, rw, rids), handle)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x)
+            return out
+        own = slice(None)  # the rows counted for load balancing
         if self.adp:
-            if all_rank_num_tokens is None:
-                raise RuntimeError("attention DP: the MoE needs all_rank_num_tokens")
+            assert all_rank_num_tokens is not None
             x = adp_all_gather_rows(x, all_rank_num_tokens, self.mapping)  # [tp * max, H]
+            start = self.mapping.tp_rank * max(all_rank_num_tokens)
+            own = slice(start, start + all_rank_num_tokens[self.mapping.tp_rank])
         weights, ids = self.gate(x)
+        ids = self.placement.to_physical(ids, own)  # the same choice on every rank
         out = self.experts(x, weights, ids)  # this rank's experts only
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.adp:
             return adp_reduce_own_rows(out, all_rank_num_tokens, self.mapping)
         return all_reduce(out, self.mapping)
+
+
+@dataclass
+class EplbStats:
+    """Expert load balancing so far: rebalances done and, at the last one, the measured load's
+    max / mean per rank under the placement it replaced and under the new one (mean over the MoE
+    layers)."""
+
+    rebalances: int = 0
+    imbalance_before: float = 0.0
+    imbalance_after: float = 0.0
+
+
+class ExpertBalancer:
+    """EPLB for every balanced MoE layer of a rank's modules: ``step`` after each engine step
+    (every rank steps alike), a rebalance every ``interval`` steps (collectives on every
+    rank)."""
+
+    def __init__(self, modules: list[nn.Module], interval: int) -> None:
+        self.layers = [
+            m for module in modules for m in module.modules() if isinstance(m, DeepseekV3MoE)
+        ]
+        if not self.layers:
+            raise ValueError("enable_eplb=True: the model has no MoE layers to balance")
+        for m in self.layers:
+            if not (isinstance(m.experts, RoutedExperts) and m.placement.balanced):
+                raise ValueError(f"EPLB is off for {type(m.experts).__name__}")
+        self.interval = interval
+        self.steps = 0
+        self.stats = EplbStats()
+
+    def step(self) -> EplbStats:
+        self.steps += 1
+        if self.steps % self.interval == 0:
+            results = [m.rebalance() for m in self.layers]
+            n = len(results)
+            self.stats = EplbStats(
+                self.stats.rebalances + 1,
+                sum(r[0] for r in results) / n,
+                sum(r[1] for r in results) / n,
+            )
+        return self.stats

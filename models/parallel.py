@@ -21,6 +21,12 @@ class ParallelMapping:
     enable_attention_dp: bool = False
     enable_lm_head_tp_in_adp: bool = False
     group: object | None = None  # torch.distributed ProcessGroup for tensors; None = WORLD
+    # Expert parallelism (models/expert_parallel.py): under attention DP, rows go to the ranks
+    # holding their experts (all-to-all) instead of every rank; experts are placed whole over
+    # the TP group either way. ``num_redundant_experts``: extra physical copies per MoE layer.
+    enable_expert_parallel: bool = False
+    num_redundant_experts: int = 0
+    enable_eplb: bool = False  # MoE layers count their routed loads and can be rebalanced
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -48,6 +54,11 @@ class ParallelMapping:
         if not self.enable_attention_dp:
             return self
         return ParallelMapping(group=self.group)
+
+    @property
+    def ep_dispatch(self) -> bool:
+        """MoE rows dispatched all-to-all to their experts' ranks (attention DP + EP)."""
+        return self.enable_expert_parallel and self.uses_adp_collectives
 
     @property
     def uses_adp_collectives(self) -> bool:

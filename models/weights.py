@@ -50,15 +50,23 @@ def load_named_weights(
                 buffers[name].copy_(value.to(buffers[name].dtype))
                 loaded.add(name)
                 continue
-            if name not in params:
-                raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
-            param = params[name]
-            try:
-                param.weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"{ckpt_name}: {e}") from None
+            load_param(params, name, tensor, shard, ckpt_name)
             loaded.add(name if shard is None else f"{name}#{shard}")
     return loaded
+
+
+def load_param(
+    params: dict[str, nn.Parameter], name: str, tensor: Any, shard: Any, ckpt_name: str
+) -> None:
+    """``tensor`` (checkpoint ``ckpt_name``) into our parameter ``name`` through its loader;
+    errors name the checkpoint tensor."""
+    if name not in params:
+        raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
+    param = params[name]
+    try:
+        param.weight_loader(param, tensor, shard)
+    except ValueError as e:
+        raise ValueError(f"{ckpt_name}: {e}") from None
 
 
 def expected_keys(module: nn.Module, skip: set[str] = frozenset()) -> set[str]:

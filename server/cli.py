@@ -279,11 +279,6 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="always on: tool calls are parsed whenever a request has tools",
     )
     same.add_argument(
-        "--enable-expert-parallel",
-        action="store_true",
-        help="always on: MoE experts are split across the tensor-parallel ranks",
-    )
-    same.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="always so: request contents are never logged",
@@ -349,6 +344,39 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         "--enable-lm-head-tp-in-adp",
         action="store_true",
         help="under attention DP, split the LM head's vocabulary across ranks for greedy drafts",
+    )
+    par.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE experts are always placed whole over the ranks; with this, under attention DP, "
+        "rows go all-to-all to the ranks holding their experts instead of to every rank",
+    )
+    par.add_argument(
+        "--ep-size",
+        "--expert-parallel-size",
+        dest="expert_parallel_size",
+        type=int,
+        default=None,
+        help="ranks the experts spread over: must equal --tensor-parallel-size (> 1 turns on "
+        "--enable-expert-parallel)",
+    )
+    par.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="expert load balancing: re-place experts (and their redundant copies) from the "
+        "measured loads every --eplb-step-interval steps (needs expert parallelism)",
+    )
+    par.add_argument(
+        "--num-redundant-experts",
+        type=int,
+        default=0,
+        help="extra physical copies per MoE layer for EPLB to place (default 0)",
+    )
+    par.add_argument(
+        "--eplb-step-interval",
+        type=int,
+        default=3000,
+        help="engine steps between EPLB rebalances (default 3000)",
     )
     par.add_argument(
         "--speculative-config",
@@ -450,6 +478,11 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         data_parallel_size=ns.data_parallel_size,
         enable_attention_dp=ns.enable_attention_dp,
         enable_lm_head_tp_in_adp=ns.enable_lm_head_tp_in_adp,
+        enable_expert_parallel=ns.enable_expert_parallel,
+        expert_parallel_size=ns.expert_parallel_size,
+        enable_eplb=ns.enable_eplb,
+        num_redundant_experts=ns.num_redundant_experts,
+        eplb_step_interval=ns.eplb_step_interval,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         dist_init_addr=dist_init_addr_from(ns),

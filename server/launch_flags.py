@@ -163,11 +163,6 @@ def flag_notes(ns: argparse.Namespace) -> list[str]:
             "--enable-auto-tool-choice: always on (tool calls are parsed whenever a request has "
             "tools)"
         )
-    if ns.enable_expert_parallel:
-        notes.append(
-            "--enable-expert-parallel: always on (MoE experts are split across the "
-            "tensor-parallel ranks)"
-        )
     if ns.disable_log_requests:
         notes.append("--disable-log-requests: request contents are never logged")
     if ns.swap_space is not None:

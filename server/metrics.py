@@ -56,6 +56,9 @@ _ENGINE_METRICS: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...
     ("gauge", "spec_decode_mean_draft_tokens_per_step", "Draft tokens verified per step (K for a chain, the verified tree's size), since start.", lambda s: _spec(s).mean_draft_tokens_per_step),
     ("counter", "spec_decode_constrained_num_draft_tokens", "Draft tokens verified for grammar-constrained requests.", lambda s: s.spec_constrained_draft_tokens),
     ("counter", "spec_decode_constrained_num_accepted_tokens", "Draft tokens accepted for grammar-constrained requests.", lambda s: s.spec_constrained_accepted_tokens),
+    ("counter", "eplb_num_rebalances", "Expert load balancing rounds done (--enable-eplb).", lambda s: s.eplb_rebalances),
+    ("gauge", "eplb_imbalance_before", "At the last rebalance: max / mean routed load per rank of the loads measured since the one before, under the placement replaced (mean over MoE layers; 0: none yet).", lambda s: s.eplb_imbalance_before),
+    ("gauge", "eplb_imbalance_after", "At the last rebalance: max / mean per rank of the same loads under the new placement.", lambda s: s.eplb_imbalance_after),
 )  # fmt: skip
 
 

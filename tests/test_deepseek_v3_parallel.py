@@ -77,23 +77,62 @@ def test_tp2_equals_single_rank(target: Path, single: dict[str, Any]) -> None:
 def test_adp2_with_lm_head_tp_equals_single_rank(
     target: Path, single: dict[str, Any], spec: dict[str, Any] | None
 ) -> None:
+    """Plain: the MoE over both ranks' rows (all-gather). MTP: with expert parallelism (rows
+    all-to-all to their experts' ranks) and EPLB with 2 redundant experts (10 physical, 5 per
+    rank), rebalanced every 3 steps: the weights move mid-run and nothing changes."""
     tokens, logprobs, accepted = single["plain" if spec is None else "mtp"]
+    ep: dict[str, Any] = {}
+    if spec is not None:
+        ep = {
+            "enable_expert_parallel": True,
+            "enable_eplb": True,
+            "num_redundant_experts": 2,
+            "eplb_step_interval": 3,
+        }
     with LLM(
         str(target),
         tensor_parallel_size=2,
         enable_attention_dp=True,
         enable_lm_head_tp_in_adp=True,
         speculative_config=spec,
+        **ep,
         **RUN,
     ) as llm:
         engine = llm.engine
         assert engine.dp_size == 2
         model = engine.executor.worker.model
         assert model.model.layers[1].self_attn.num_heads == 4  # attention replicated
-        assert model.model.layers[1].mlp.experts.w13.shape[0] == 4  # experts split
+        moe = model.model.layers[1].mlp
+        assert moe.experts.w13.shape[0] == (4 if spec is None else 5)  # experts split
+        assert (moe.dispatcher is not None) == (spec is not None)
         got_tokens, got_logprobs, got_accepted = _generate(llm)
-        assert engine.get_stats().num_used_kv_blocks == 0
+        stats = engine.get_stats()
+        assert stats.num_used_kv_blocks == 0
+        if spec is not None:
+            assert stats.eplb_rebalances >= 2
+            assert stats.eplb_imbalance_after <= stats.eplb_imbalance_before
+            # The target's and the MTP layer's MoE: each placement moved from the start's.
+            draft = engine.executor.worker.runner.spec.draft
+            layers = [
+                m for part in (model, draft) for m in part.modules() if hasattr(m, "placement")
+            ]
+            assert len(layers) == 2
+            assert all(m.placement.slot_logical != [*range(8), 0, 1] for m in layers)
     assert got_tokens == tokens
     assert _close(got_logprobs, logprobs) < 1e-4
     if spec is not None:
         assert got_accepted == accepted
+
+
+@pytest.mark.timeout(120)
+def test_redundant_experts_that_do_not_divide_over_the_ranks_stop_the_start(target: Path) -> None:
+    with pytest.raises(Exception, match=r"num_redundant_experts=3 is not divisible"):
+        LLM(
+            str(target),
+            tensor_parallel_size=2,
+            enable_attention_dp=True,
+            enable_expert_parallel=True,
+            enable_eplb=True,
+            num_redundant_experts=3,
+            **RUN,
+        )

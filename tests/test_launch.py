@@ -153,7 +153,7 @@ def test_deepseek_r1_recipe_line(offline: Path) -> None:
     assert config.parallel_config.tensor_parallel_size == 8
     notes = " ".join(flag_notes(ns))
     assert "--trust-remote-code: no remote code is run" in notes
-    assert "--enable-expert-parallel: always on" in notes
+    assert config.parallel_config.expert_parallel  # the recipe's flag, honoured
     assert server_settings_from(ns).reasoning_parser == "auto"
 
 

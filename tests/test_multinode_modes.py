@@ -5,10 +5,13 @@ log-prob, with the same drafts accepted at every draft position (verification wo
 wrong drafts, so equal tokens alone do not show equal drafting):
 
 - a DeepSeek-V3 MoE target (MLA, grouped top-k experts, an MTP layer) under attention DP with
-  LM-head TP and MTP-Eagle speculation: requests spread over the four DP ranks, experts split
-  over the ranks of both nodes, greedy drafts from the vocabulary split across nodes; seeded
-  requests at temperature 0.8 next to greedy ones (the group-synced greedy flag) complete, and
-  greedy ones next to them are unchanged;
+  LM-head TP, expert parallelism and MTP-Eagle speculation: requests spread over the four DP
+  ranks, experts split over the ranks of both nodes, each row sent all-to-all to its experts'
+  ranks, greedy drafts from the vocabulary split across nodes; EPLB with 4 redundant experts
+  (12 physical, 3 per rank) rebalancing every 4 steps, so weights move between the nodes
+  mid-run (its rounds and imbalance on /metrics); seeded requests at temperature 0.8 next to
+  greedy ones (the group-synced greedy flag) complete, and greedy ones next to them are
+  unchanged;
 - the same target under plain TP with vanilla MTP (two MTP layers, draft row pick on);
 - a Llama target with an Eagle3 head under plain TP with draft row pick off on both nodes, and
   under attention DP with LM-head TP with it on, with a chain and with draft trees.
@@ -55,6 +58,8 @@ MAX_TOKENS = 16
 MTP_EAGLE = {"method": "mtp", "num_speculative_tokens": 3}
 MTP_VANILLA = {"method": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"}
 ADP = ["--enable-attention-dp", "--enable-lm-head-tp-in-adp"]
+EP = ["--enable-expert-parallel", "--enable-eplb", "--num-redundant-experts", "4"]
+EP += ["--eplb-step-interval", "4"]
 # A 16-token budget chunks the longer prompts' prefill.
 BUDGET = ["--max-num-batched-tokens", "16"]
 PER_POS = "tandem:spec_decode_num_accepted_tokens_per_pos_total"
@@ -211,9 +216,13 @@ def test_deepseek_moe_mtp_under_attention_dp_and_lm_head_tp(deepseek: Path) -> N
     want = _one_rank(deepseek, MTP_EAGLE)
     _assert_acceptance_varies(want)
     spec = ["--speculative-config", json.dumps(MTP_EAGLE)]
-    with _two_nodes(deepseek, [*ADP, *BUDGET, *spec]) as server:
+    with _two_nodes(deepseek, [*ADP, *EP, *BUDGET, *spec]) as server:
         got, _ = _serve(server, 3)
         _assert_same(got, want)
+        metrics = {name: v for (name, _), v in scrape_metrics(server).items()}
+        assert metrics["tandem:eplb_num_rebalances_total"] >= 1
+        before = metrics["tandem:eplb_imbalance_before"]
+        assert 1.0 <= metrics["tandem:eplb_imbalance_after"] <= before
         # Seeded sampled requests next to greedy ones on other DP ranks: every rank must take
         # the sampled-draft path in those steps, or the LM-head TP collectives mismatch.
         mixed, sampled = _serve(server, 3, sampled=2)

@@ -147,15 +147,22 @@ def one_rank(ckpts: dict[str, Path]) -> tuple[Any, dict[str, Any]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("adp", [False, True], ids=["tp2", "adp2-lm-head-tp"])
+@pytest.mark.parametrize("adp", [False, True], ids=["tp2", "adp2-lm-head-tp-ep"])
 def test_two_ranks_equal_one(
     ckpts: dict[str, Path], one_rank: tuple[Any, dict[str, Any]], adp: bool
 ) -> None:
     """TP = 2 (heads, KV heads and experts split: 4 of 8 per rank) or attention DP = 2 with
-    LM-head TP (attention replicated, the MoE over both ranks' rows), with Eagle3 K = 3: the
-    same tokens, log-probs and accepted drafts per position as one rank."""
+    LM-head TP and expert parallelism (attention replicated, each rank's rows sent all-to-all
+    to the rank holding their experts), with Eagle3 K = 3: the same tokens, log-probs and
+    accepted drafts per position as one rank."""
     (tokens, logprobs, accepted), spec = one_rank
-    extra = {"enable_attention_dp": True, "enable_lm_head_tp_in_adp": True} if adp else {}
+    extra: dict[str, Any] = {}
+    if adp:
+        extra = {
+            "enable_attention_dp": True,
+            "enable_lm_head_tp_in_adp": True,
+            "enable_expert_parallel": True,
+        }
     with LLM(
         str(ckpts["echo"]),
         dtype="float32",
@@ -165,6 +172,8 @@ def test_two_ranks_equal_one(
         **extra,
     ) as llm:
         assert llm.engine.dp_size == (2 if adp else 1)
+        moe = llm.engine.executor.worker.model.model.layers[0].mlp
+        assert (moe.dispatcher is not None) == adp
         outs = llm.generate(PROMPTS, SPEC_PARAMS)
         assert llm.engine.get_stats().num_used_kv_blocks == 0
     assert [o.outputs[0].token_ids for o in outs] == tokens
