@@ -183,7 +183,7 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
     from tandem.kernels.fp8 import fp8_linear
     from tandem.kernels.moe import grouped_topk, moe_experts
     from tandem.kernels.mxfp4 import gpt_oss_experts_mxfp4
-    from tandem.kernels.paged_attention import paged_attention, write_kv_cache
+    from tandem.kernels.paged_attention import FP8_KV_DTYPE, paged_attention, write_kv_cache
     from tandem.kernels.spec_decode import (
         accept_matching,
         build_draft_step0_inputs,
@@ -233,6 +233,7 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
     seqs, blocks_per_seq = 2, 64
     num_blocks = seqs * blocks_per_seq
     cache = empty(num_blocks, shape.block_size, kv_heads, head_dim)
+    fp8_cache = empty(num_blocks, shape.block_size, kv_heads, head_dim, dt=FP8_KV_DTYPE)
     tables = ints(seqs, blocks_per_seq, dt=torch.int32)
     phases = {"decode": 1, "prefill": shape.max_num_batched_tokens}
     phases.update({f"verify K={k}": k + 1 for k in KS})
@@ -256,6 +257,21 @@ def _entry_points(shape: Shape, dtype: torch.dtype) -> Iterator[tuple[str, Calla
             )  # fmt: skip
 
         yield f"attention {phase}", attend
+
+        def attend_fp8_kv(
+            t: int = t, q_len: int = q_len, seq_lens: Any = seq_lens, qsl: Any = qsl,
+            tree_mask: Any = tree_mask,
+        ) -> Any:  # fmt: skip
+            q, kv = empty(t, heads, head_dim), empty(t, kv_heads, head_dim)
+            write_kv_cache(kv, kv, fp8_cache, fp8_cache, ints(t), use_triton=True,
+                           k_scale=0.5, v_scale=0.25)  # fmt: skip
+            return paged_attention(
+                q, fp8_cache, fp8_cache, tables, seq_lens, qsl, 0.1, q_len, q_len + 1024,
+                use_triton=True, tree_mask=tree_mask, k_scale=0.5, v_scale=0.25,
+            )  # fmt: skip
+
+        # --kv-cache-dtype fp8: e4m3 KV read and written by the same kernels (sm_89 and newer).
+        yield f"attention {phase} fp8-kv", attend_fp8_kv
         if "sliding_window" in c:  # sinks, and a window on every other layer (trees too)
             for window in (None, c["sliding_window"]):
 

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.models.device import resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+def _is_moe(folder: str) -> bool:
+    """Whether the model folder's config.json describes a mixture of experts."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    keys = ("n_routed_experts", "num_experts", "num_local_experts")
+    return any(isinstance(raw.get(k), int) and raw[k] > 1 for k in keys)
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -183,8 +198,9 @@ class ParallelConfig:
     ``enable_expert_parallel`` (or ``expert_parallel_size`` > 1, which must equal the ranks):
     under attention DP, rows travel all-to-all to their experts' ranks instead of being
     all-gathered to every rank. ``enable_eplb``: expert load balancing every
-    ``eplb_step_interval`` engine steps, with ``num_redundant_experts`` extra copies per MoE
-    layer (needs expert parallelism over more than one rank)."""
+    ``eplb_step_interval`` engine steps from the loads of the last ``eplb_window_size`` steps,
+    with ``num_redundant_experts`` extra copies per MoE layer (needs expert parallelism over more
+    than one rank)."""
 
     tensor_parallel_size: int = 1
     enable_attention_dp: bool = False
@@ -198,6 +214,7 @@ class ParallelConfig:
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     eplb_step_interval: int = 3000
+    eplb_window_size: int = 1000
 
     def __post_init__(self) -> None:
         _require(
@@ -269,13 +286,9 @@ class ParallelConfig:
             r,
             "an integer >= 0",
         )
-        n = self.eplb_step_interval
-        _require(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1,
-            "eplb_step_interval",
-            n,
-            "an integer >= 1",
-        )
+        for name in ("eplb_step_interval", "eplb_window_size"):
+            n = getattr(self, name)
+            _require(isinstance(n, int) and not isinstance(n, bool) and n >= 1, name, n, ">= 1")
         if r and not self.enable_eplb:
             raise ValueError(
                 f"num_redundant_experts={r} needs enable_eplb=True (--enable-eplb): the copies "
@@ -906,6 +919,7 @@ class EngineArgs:
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     eplb_step_interval: int = 3000
+    eplb_window_size: int = 1000
     served_model_name: str | None = None
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
@@ -973,6 +987,36 @@ class EngineArgs:
             tokenizer=tokenizer,
             served_model_name=served,
             speculative_config=spec,
+        ).with_moe_data_parallel()
+
+    def with_moe_data_parallel(self) -> EngineArgs:
+        """vLLM's ``--data-parallel-size N --enable-expert-parallel`` on a MoE model: one
+        attention-DP group of N ranks with the experts spread over them, not N replicas; here
+        ``-tp N --enable-attention-dp --enable-expert-parallel`` (logged). With ``-tp`` > 1 (vLLM's
+        attention TP inside each DP rank) it is refused: attention DP here replicates
+        attention."""
+        dp = self.data_parallel_size
+        if dp == 1 or self.enable_attention_dp or not self.enable_expert_parallel:
+            return self
+        if not os.path.isdir(self.model) or not _is_moe(self.model):
+            return self
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={dp} with tensor_parallel_size={self.tensor_parallel_size} "
+                "and expert parallelism on a MoE model: attention DP here replicates attention "
+                f"on each rank (no TP inside it); use -tp {dp * self.tensor_parallel_size} "
+                "--enable-attention-dp --enable-expert-parallel"
+            )
+        logger.info(
+            "data_parallel_size=%d with expert parallelism on a MoE model: attention DP over %d "
+            "ranks with the experts spread over them (as -tp %d --enable-attention-dp "
+            "--enable-expert-parallel)",
+            dp,
+            dp,
+            dp,
+        )
+        return dataclasses.replace(
+            self, tensor_parallel_size=dp, enable_attention_dp=True, data_parallel_size=1
         )
 
     def _max_model_len(self, hf_config: Any) -> tuple[int, bool]:
@@ -1095,6 +1139,7 @@ class EngineArgs:
                 enable_eplb=self.enable_eplb,
                 num_redundant_experts=self.num_redundant_experts,
                 eplb_step_interval=self.eplb_step_interval,
+                eplb_window_size=self.eplb_window_size,
             ),
             device=device,
             speculative_config=spec,

@@ -84,6 +84,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str]:
         "--enable-eplb": str(pc.enable_eplb),
         "--num-redundant-experts": str(pc.num_redundant_experts),
         "--eplb-step-interval": str(pc.eplb_step_interval),
+        "--eplb-window-size": str(pc.eplb_window_size),
         "model": _checkpoint_id(mc.hf_config.to_dict(), mc.model),
         "--dtype": str(mc.dtype).removeprefix("torch."),
         "--device": config.device.type,

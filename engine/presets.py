@@ -209,4 +209,5 @@ def _validate_configs(checked: dict[str, Any]) -> None:
         enable_eplb=args.enable_eplb,
         num_redundant_experts=args.num_redundant_experts,
         eplb_step_interval=args.eplb_step_interval,
+        eplb_window_size=args.eplb_window_size,
     )

@@ -125,6 +125,7 @@ def rank_mapping(config: EngineConfig, rank: int, groups: ProcessGroups) -> Para
         enable_expert_parallel=pc.expert_parallel,
         num_redundant_experts=pc.num_redundant_experts,
         enable_eplb=pc.enable_eplb,
+        eplb_window_size=pc.eplb_window_size,
     )
 
 

@@ -8,9 +8,9 @@ expert ``p`` and the ``R`` extra slots copies of experts ``0 .. R - 1``. The rou
 logical experts; ``to_physical`` turns each (row, choice) pair into one of its expert's slots,
 spreading the pairs of a replicated expert round-robin over its copies.
 
-**Load balancing (EPLB).** Each layer counts the pairs routed to every slot (on the device, no
-sync); every ``eplb_step_interval`` engine steps the ranks sum the counts (one all-reduce per
-layer), compute a new placement from the measured per-expert loads (``balanced_placement``: the
+**Load balancing (EPLB).** Each layer counts the pairs routed to every logical expert (on the
+device, no sync), kept per engine step for the last ``eplb_window_size`` steps; every
+``eplb_step_interval`` steps the ranks sum the window's counts (one all-reduce per layer), compute a new placement from the measured per-expert loads (``balanced_placement``: the
 extra slots go one at a time to the expert with the highest load per copy, then copies are
 packed heaviest first onto the least-loaded rank with a free slot), and move the expert weights
 that change rank with one ``all_to_all_single`` per weight tensor. Every rank computes the same
@@ -98,11 +98,18 @@ def placement_imbalance(loads: list[float], slot_logical: list[int], num_ranks: 
 
 class ExpertPlacement:
     """One MoE layer's physical experts over ``num_ranks`` ranks (see the module docstring) and
-    the device tables ``to_physical`` reads; ``slot_loads`` counts the pairs routed to each
-    slot since the last ``take_loads``."""
+    the device tables ``to_physical`` reads. Balanced (EPLB): ``step_loads`` counts the pairs
+    routed to each logical expert in this engine step, ``end_step`` files it in a ring of the
+    last ``window`` steps' counts, ``loads`` sums the ring (counts by logical expert stay valid
+    across placements)."""
 
     def __init__(
-        self, num_experts: int, num_redundant: int, num_ranks: int, balanced: bool = False
+        self,
+        num_experts: int,
+        num_redundant: int,
+        num_ranks: int,
+        balanced: bool = False,
+        window: int = 1,
     ) -> None:
         num_slots = num_experts + num_redundant
         if num_redundant < 0 or num_slots % num_ranks:
@@ -123,7 +130,10 @@ class ExpertPlacement:
         # its slot. Tables of a fixed shape, rewritten in place (CUDA graphs read them).
         self.balanced = balanced
         width = num_redundant + 1
-        self.slot_loads = torch.zeros(num_slots if balanced else 0, dtype=torch.int64)
+        n = num_experts if balanced else 0
+        self.step_loads = torch.zeros(n, dtype=torch.int64)
+        self.window_loads = torch.zeros(window if balanced else 0, n, dtype=torch.int64)
+        self.window_pos = 0
         self.copies = torch.zeros(num_experts if balanced else 0, width, dtype=torch.int64)
         self.num_copies = torch.ones(num_experts if balanced else 0, dtype=torch.int64)
         self.set([e % num_experts for e in range(num_slots)])
@@ -155,28 +165,25 @@ class ExpertPlacement:
 
     def to_physical(self, ids: Tensor, counted: slice) -> Tensor:
         """Logical choices [T, k] → physical slots [T, k], the rows ``counted`` counted in
-        ``slot_loads``. The choice depends only on ``ids`` (ranks that see the same rows choose
+        ``step_loads``. The choice depends only on ``ids`` (ranks that see the same rows choose
         the same copies)."""
         if not self.balanced:
             return ids
-        pair = torch.arange(ids.numel(), device=ids.device).view_as(ids)
-        phys = self.copies[ids, pair % self.num_copies[ids]]
-        seen = phys[counted].reshape(-1)
-        self.slot_loads.index_add_(
+        seen = ids[counted].reshape(-1)
+        self.step_loads.index_add_(  # in place: CUDA graphs count into it
             0, seen, torch.ones(seen.numel(), dtype=torch.int64, device=ids.device)
         )
-        return phys
+        pair = torch.arange(ids.numel(), device=ids.device).view_as(ids)
+        return self.copies[ids, pair % self.num_copies[ids]]
 
-    def take_loads(self) -> Tensor:
-        loads = self.slot_loads.clone()
-        self.slot_loads.zero_()  # in place: CUDA graphs count into it
-        return loads
+    def end_step(self) -> None:
+        self.window_loads[self.window_pos].copy_(self.step_loads)
+        self.step_loads.zero_()
+        self.window_pos = (self.window_pos + 1) % self.window_loads.shape[0]
 
-    def expert_loads(self, slot_loads: list[int]) -> list[float]:
-        out = [0.0] * self.num_experts
-        for p, n in enumerate(slot_loads):
-            out[self.slot_logical[p]] += n
-        return out
+    def loads(self) -> Tensor:
+        """Pairs routed to each logical expert over the window (this rank's rows) [E]."""
+        return self.window_loads.sum(0)
 
 
 def move_expert_weights(

@@ -253,7 +253,7 @@ class DeepseekV3MoE(nn.Module):
         if redundant == 0:
             divide(num_experts, mapping.tp_size, what)
         self.placement = ExpertPlacement(
-            num_experts, redundant, mapping.tp_size, mapping.enable_eplb
+            num_experts, redundant, mapping.tp_size, mapping.enable_eplb, mapping.eplb_window_size
         )
         self.first_slot = mapping.tp_rank * self.placement.slots_per_rank
         self.dispatcher = (
@@ -265,17 +265,17 @@ class DeepseekV3MoE(nn.Module):
         )
 
     def rebalance(self) -> tuple[float, float, int]:
-        """EPLB, on every rank of the group at once: sum the slot loads counted since the last
-        call, place the experts for them (``balanced_placement``) and move the weights that
-        change rank. Returns (imbalance of the measured loads under the old placement, under
-        the new one, pairs counted)."""
+        """EPLB, on every rank of the group at once: sum the loads of the window, place the
+        experts for them (``balanced_placement``) and move the weights that change rank.
+        Returns (imbalance of the window's loads under the old placement, under the new one,
+        pairs counted)."""
         p, mapping = self.placement, self.mapping
         if not isinstance(self.experts, RoutedExperts) or not p.balanced:
             raise ValueError(f"EPLB is off for {type(self.experts).__name__}")
-        loads = p.take_loads()
+        loads = p.loads()
         if mapping.tp_size > 1:
             dist.all_reduce(loads, group=mapping.group)
-        expert_loads = p.expert_loads(loads.tolist())
+        expert_loads = [float(n) for n in loads.tolist()]
         old = p.slot_logical
         new = balanced_placement(expert_loads, p.num_slots, p.num_ranks)
         before = placement_imbalance(expert_loads, old, p.num_ranks)
@@ -360,6 +360,8 @@ class ExpertBalancer:
         self.stats = EplbStats()
 
     def step(self) -> EplbStats:
+        for m in self.layers:
+            m.placement.end_step()
         self.steps += 1
         if self.steps % self.interval == 0:
             results = [m.rebalance() for m in self.layers]

@@ -27,6 +27,7 @@ class ParallelMapping:
     enable_expert_parallel: bool = False
     num_redundant_experts: int = 0
     enable_eplb: bool = False  # MoE layers count their routed loads and can be rebalanced
+    eplb_window_size: int = 1  # engine steps whose loads a rebalance reads
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:

@@ -369,14 +369,26 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
     par.add_argument(
         "--num-redundant-experts",
         type=int,
-        default=0,
+        default=None,
         help="extra physical copies per MoE layer for EPLB to place (default 0)",
     )
     par.add_argument(
         "--eplb-step-interval",
         type=int,
-        default=3000,
+        default=None,
         help="engine steps between EPLB rebalances (default 3000)",
+    )
+    par.add_argument(
+        "--eplb-window-size",
+        type=int,
+        default=None,
+        help="engine steps whose expert loads a rebalance reads (default 1000)",
+    )
+    par.add_argument(
+        "--eplb-config",
+        default=None,
+        help="JSON (or dotted keys): window_size, step_interval, num_redundant_experts, "
+        "log_balancedness (always logged here); the flags above in one option",
     )
     par.add_argument(
         "--speculative-config",
@@ -415,6 +427,45 @@ def dist_init_addr_from(ns: argparse.Namespace) -> str | None:
             f"--dist-init-addr {addr} and --master-addr/--master-port {joined} disagree; give one"
         )
     return joined
+
+
+# --eplb-config's keys and the flags that set the same (vLLM's names).
+_EPLB_KEYS = {
+    "num_redundant_experts": "num_redundant_experts",
+    "step_interval": "eplb_step_interval",
+    "window_size": "eplb_window_size",
+}
+
+
+def eplb_options(ns: argparse.Namespace) -> dict[str, int]:
+    """The EPLB fields from ``--eplb-config`` and the single flags (one way per value)."""
+    given: dict[str, Any] = {}
+    if ns.eplb_config is not None:
+        try:
+            given = json.loads(ns.eplb_config)
+        except ValueError as e:
+            raise ValueError(f"--eplb-config is not valid JSON: {e}") from None
+        if not isinstance(given, dict):
+            raise ValueError("--eplb-config must be a JSON object, e.g. '{\"window_size\": 1000}'")
+        unknown = sorted(set(given) - set(_EPLB_KEYS) - {"log_balancedness"})
+        if unknown:
+            raise ValueError(
+                f"--eplb-config: unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted([*_EPLB_KEYS, 'log_balancedness']))}"
+            )
+        if not isinstance(given.get("log_balancedness", False), bool):
+            raise ValueError("--eplb-config: log_balancedness must be true or false")
+    out = {}
+    for key, field in _EPLB_KEYS.items():
+        flag = getattr(ns, field)
+        if key in given and flag is not None:
+            raise ValueError(
+                f"--eplb-config's {key} and --{field.replace('_', '-')} both set it: give one"
+            )
+        value = given.get(key, flag)
+        if value is not None:
+            out[field] = value
+    return out
 
 
 def engine_args_from(ns: argparse.Namespace) -> Any:
@@ -481,8 +532,7 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         enable_expert_parallel=ns.enable_expert_parallel,
         expert_parallel_size=ns.expert_parallel_size,
         enable_eplb=ns.enable_eplb,
-        num_redundant_experts=ns.num_redundant_experts,
-        eplb_step_interval=ns.eplb_step_interval,
+        **eplb_options(ns),
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         dist_init_addr=dist_init_addr_from(ns),

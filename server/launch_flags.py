@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 # Options whose value is a JSON object, and so also take dotted keys (``--OPTION.key value``).
-JSON_OPTIONS = ("--speculative-config", "--default-chat-template-kwargs")
+JSON_OPTIONS = ("--speculative-config", "--default-chat-template-kwargs", "--eplb-config")
 EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")
 
 

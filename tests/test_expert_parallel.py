@@ -112,6 +112,7 @@ def _rank_checks(rank: int, port: int) -> dict[str, Any]:
             enable_expert_parallel=True,
             num_redundant_experts=4 if skew else 0,
             enable_eplb=skew,
+            eplb_window_size=2,
         )
         moe = _layer(ep, w)
         assert moe.dispatcher is not None and moe.experts.num_local == (3 if skew else 2)
@@ -128,14 +129,14 @@ def _rank_checks(rank: int, port: int) -> dict[str, Any]:
             static = moe(w["x"][own], ROWS)
             out["static_err"] = (static - want).abs().max().item() if ROWS[rank] else 0.0
             continue
-        # EPLB: measured load per rank (pairs routed to its slots) before and after.
-        loads_before = moe.placement.slot_loads.clone()
+        # EPLB: measured load per rank (the pairs it received for its slots) before and after.
+        moe.placement.end_step()  # what the balancer does after each engine step
         before, after, pairs = moe.rebalance()
         moved = moe.placement.slot_logical
         again = moe(w["x"][own], ROWS)
-        loads_after = moe.placement.slot_loads.clone()
-        dist.all_reduce(loads_before)
-        dist.all_reduce(loads_after)
+        loads_before, loads_after = (
+            _pairs_per_rank(ids, moe.first_slot, moe.experts.num_local, rank) for ids in received
+        )
         out.update(
             eplb_err=(again - want).abs().max().item() if ROWS[rank] else 0.0,
             eplb_first_err=(got - want).abs().max().item() if ROWS[rank] else 0.0,
@@ -153,9 +154,18 @@ def _rank_checks(rank: int, port: int) -> dict[str, Any]:
     return out
 
 
-def _rank_imbalance(slot_loads: torch.Tensor) -> float:
-    per_rank = slot_loads.view(RANKS, -1).sum(1).float()
-    return (per_rank.max() / per_rank.mean()).item()
+def _pairs_per_rank(received: torch.Tensor, first: int, num_local: int, rank: int) -> torch.Tensor:
+    """Every rank's count of the (row, choice) pairs it received for its own slots."""
+    import torch.distributed as dist
+
+    counts = torch.zeros(RANKS, dtype=torch.int64)
+    counts[rank] = int(((received >= first) & (received < first + num_local)).sum())
+    dist.all_reduce(counts)
+    return counts
+
+
+def _rank_imbalance(per_rank: torch.Tensor) -> float:
+    return (per_rank.max() / per_rank.float().mean()).item()
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,13 @@ DEEPSEEK_R1_FEATURES = (
     "--enable-auto-tool-choice --tool-call-parser deepseek_v3 "
     "--chat-template examples/tool_chat_template_deepseekr1.jinja"
 )
+# vLLM's expert-parallel deployment guide: one node, attention DP 8 with the experts spread over
+# the 8 ranks, EPLB with its JSON config.
+WIDE_EP = (
+    "vllm serve {m} --tensor-parallel-size 1 --data-parallel-size 8 --enable-expert-parallel "
+    '--enable-eplb --eplb-config \'{{"window_size": 1000, "step_interval": 3000, '
+    '"num_redundant_experts": 2, "log_balancedness": true}}\''
+)
 # GLM/GLM.md (GLM-4.5-Air), and models/zai-org/GLM-4.5.yaml with its MTP opt-in:
 GLM45 = (
     "vllm serve {m} --tensor-parallel-size 8 --tool-call-parser glm45 --reasoning-parser glm45 "
@@ -155,6 +162,50 @@ def test_deepseek_r1_recipe_line(offline: Path) -> None:
     assert "--trust-remote-code: no remote code is run" in notes
     assert config.parallel_config.expert_parallel  # the recipe's flag, honoured
     assert server_settings_from(ns).reasoning_parser == "auto"
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deepseek_v3(tmp_path_factory.mktemp("ep") / "m", layers=2)
+
+
+def test_vllm_wide_ep_line_is_attention_dp_with_expert_parallelism(
+    moe_model: Path, model: Path
+) -> None:
+    """vLLM's `-dp 8 --enable-expert-parallel` on a MoE model is one group of 8 ranks (attention
+    DP, experts spread), not 8 replicas; its --eplb-config keys reach the engine."""
+    args = launch_args(parse(WIDE_EP, str(moe_model)))
+    assert fields(args, "tensor_parallel_size", "data_parallel_size", "enable_attention_dp") == (
+        8,
+        1,
+        True,
+    )
+    assert fields(
+        args,
+        "enable_expert_parallel",
+        "enable_eplb",
+        "num_redundant_experts",
+        "eplb_step_interval",
+        "eplb_window_size",
+    ) == (True, True, 2, 3000, 1000)
+    pc = args.create_engine_config().parallel_config
+    assert (pc.num_replicas, pc.expert_parallel) == (1, True)
+    # Dotted keys are the JSON form; a value given twice, or a key vLLM does not have, is refused.
+    dotted = (
+        "vllm serve {m} --enable-eplb --eplb-config.window_size 7 --eplb-config.step_interval 5"
+    )
+    got = engine_args_from(parse(dotted, str(moe_model)))
+    assert fields(got, "eplb_window_size", "eplb_step_interval") == (7, 5)
+    with pytest.raises(ValueError, match="both set it"):
+        engine_args_from(parse(dotted + " --eplb-window-size 9", str(moe_model)))
+    with pytest.raises(ValueError, match="unknown key.*windows"):
+        engine_args_from(parse("vllm serve {m} --eplb-config.windows 9", str(moe_model)))
+    # vLLM's attention TP inside each DP rank has no equivalent here: refused, naming one.
+    with pytest.raises(ValueError, match="-tp 8 --enable-attention-dp --enable-expert-parallel"):
+        launch_args(parse("vllm serve {m} -tp 2 -dp 4 --enable-expert-parallel", str(moe_model)))
+    # A dense model keeps -dp's replicas (expert parallelism has nothing to spread).
+    dense = launch_args(parse("vllm serve {m} -dp 2 --enable-expert-parallel", str(model)))
+    assert fields(dense, "tensor_parallel_size", "data_parallel_size") == (1, 2)
 
 
 def test_deepseek_r1_recipe_features(offline: Path) -> None:

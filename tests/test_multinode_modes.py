@@ -13,6 +13,8 @@ wrong drafts, so equal tokens alone do not show equal drafting):
   greedy ones (the group-synced greedy flag) complete, and greedy ones next to them are
   unchanged;
 - the same target under plain TP with vanilla MTP (two MTP layers, draft row pick on);
+- a Qwen3-MoE target (6 experts) with an Eagle3 head under attention DP with LM-head TP,
+  expert parallelism and EPLB with 2 redundant experts (8 physical, 2 per rank);
 - a Llama target with an Eagle3 head under plain TP with draft row pick off on both nodes, and
   under attention DP with LM-head TP with it on, with a chain and with draft trees.
 
@@ -37,6 +39,7 @@ from checkpoints import (
     add_deepseek_mtp_layers,
     build_deepseek_v3,
     build_llama,
+    build_qwen3_moe,
     make_echo_target,
     perfect_eagle3_draft,
     scale_residual_writes,
@@ -94,6 +97,16 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_moe_eagle3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A near-echo Qwen3-MoE (6 experts, top-2, every layer sparse) and a near-perfect Eagle3
+    head for it."""
+    root = tmp_path_factory.mktemp("mn_qwen3moe")
+    target = build_qwen3_moe(root / "t", layers=2, experts=6, seed=3)
+    make_echo_target(target, residual_scale=0.3)
+    return target, perfect_eagle3_draft(root / "d", target, residual_scale=1.0)
+
+
+@pytest.fixture(scope="module")
 def llama_eagle3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A near-echo Llama (4 heads, 2 KV heads: replicated over 4 ranks) whose layers change some
     next tokens, and an Eagle3 head that drafts nearly the echo (its midlayer, split over the
@@ -104,10 +117,10 @@ def llama_eagle3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target, perfect_eagle3_draft(root / "d", target, residual_scale=3.0)
 
 
-def _one_rank(model: Path, spec: dict[str, Any]) -> Run:
+def _one_rank(model: Path, spec: dict[str, Any], **kw: Any) -> Run:
     """The offline engine on one rank: PROMPTS at once, greedy."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(model), speculative_config=spec, max_model_len=256) as llm:
+    with LLM(str(model), speculative_config=spec, max_model_len=256, **kw) as llm:
         outs = llm.generate(PROMPTS, params)
     token_text = TokenText(AutoTokenizer.from_pretrained(model))
     gens, per_pos = [], [0] * spec["num_speculative_tokens"]
@@ -264,6 +277,30 @@ def test_llama_eagle3(
     with _two_nodes(target, [*args, *spec], env=env) as server:
         got, _ = _serve(server, 3)
     _assert_same(got, want)
+
+
+def test_qwen3_moe_eagle3_under_expert_parallelism(qwen3_moe_eagle3: tuple[Path, Path]) -> None:
+    """Eagle3 on a MoE target, EP over the four ranks of both nodes, EPLB moving experts (and
+    their 2 redundant copies) between them every 4 steps."""
+    target, draft = qwen3_moe_eagle3
+    eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    want = _one_rank(target, eagle3, dtype="float32")  # its config says bfloat16
+    _assert_acceptance_varies(want)
+    ep = [
+        "--dtype",
+        "float32",
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-step-interval",
+        "4",
+    ]
+    ep += ["--eplb-config.num_redundant_experts", "2"]
+    spec = ["--speculative-config", json.dumps(eagle3)]
+    with _two_nodes(target, [*ADP, *ep, *spec]) as server:
+        got, _ = _serve(server, 3)
+        metrics = {name: v for (name, _), v in scrape_metrics(server).items()}
+    _assert_same(got, want)
+    assert metrics["tandem:eplb_num_rebalances_total"] >= 1
 
 
 @pytest.mark.parametrize(
