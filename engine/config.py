@@ -858,6 +858,7 @@ class EngineConfig:
     device: torch.device
     speculative_config: SpeculativeConfig | None = None
     graph_config: CUDAGraphConfig = CUDAGraphConfig()
+    kv_transfer_config: KVTransferConfig | None = None  # None: role "both"
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """This config serving ``max_model_len`` (what ``--max-model-len auto`` resolved to)."""
@@ -870,6 +871,26 @@ class EngineConfig:
                 self.scheduler_config, max_model_len=max_model_len
             ),
         )
+
+
+KV_ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregated serving (engine/kv_transfer.py): a ``prefill`` instance hands each request
+    that asks for it over after its first token, holding its KV for ``timeout_s`` at
+    ``host:port`` (0: a free port); a ``decode`` instance pulls it and goes on."""
+
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.role in KV_ROLES[1:], "kv_role", self.role, "'prefill' or 'decode'")
+        _require(0 <= self.port < 65536, "kv_transfer_port", self.port, "a port number")
+        _require(self.timeout_s > 0, "kv_transfer_timeout", self.timeout_s, "> 0 seconds")
 
 
 GENERATION_CONFIG_MODES = ("auto", "vllm")
@@ -920,6 +941,10 @@ class EngineArgs:
     num_redundant_experts: int = 0
     eplb_step_interval: int = 3000
     eplb_window_size: int = 1000
+    kv_role: str = "both"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int = 0
+    kv_transfer_timeout: float = 60.0
     served_model_name: str | None = None
     speculative_config: dict[str, Any] | None = None
     enforce_eager: bool = False
@@ -960,6 +985,26 @@ class EngineArgs:
                     f"{self.model} is not the built-in model (any model can use 'q8')"
                 )
         return want
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        """``kv_role`` prefill / decode: one rank for now (the KV moves from the engine process's
+        rank; ranks in other processes would each need their pair)."""
+        _require(self.kv_role in KV_ROLES, "kv_role", self.kv_role, ", ".join(KV_ROLES))
+        if self.kv_role == "both":
+            return None
+        if (
+            self.tensor_parallel_size != 1
+            or self.enable_attention_dp
+            or self.nnodes != 1
+            or self.data_parallel_size != 1
+        ):
+            raise ValueError(
+                f"kv_role={self.kv_role!r} runs on one rank for now (no -tp, -dp, attention DP "
+                "or --nnodes): each rank's KV would need a transfer pair of its own"
+            )
+        return KVTransferConfig(
+            self.kv_role, self.kv_transfer_host, self.kv_transfer_port, self.kv_transfer_timeout
+        )
 
     def with_local_folders(self) -> EngineArgs:
         """These arguments with each Hugging Face id (the model, the tokenizer, the draft head's
@@ -1143,6 +1188,7 @@ class EngineArgs:
             ),
             device=device,
             speculative_config=spec,
+            kv_transfer_config=self._kv_transfer_config(),
             graph_config=CUDAGraphConfig(
                 enforce_eager=self.enforce_eager,
                 cuda_graph_batch_sizes=(

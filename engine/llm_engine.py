@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.block_manager import BlockManager
@@ -12,8 +16,9 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
+from tandem.engine.kv_transfer import DistKVTransfer, KVTransfer
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestFailure, RequestOutput
-from tandem.engine.request import Request, RequestStatus, SpecStats
+from tandem.engine.request import Request, RequestStatus, SpecStats, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.speculative.adaptive import (
@@ -38,6 +43,16 @@ from tandem.models.moe import EplbStats
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "ContextLengthExceededError"]
+
+
+@dataclass
+class _Pull:
+    """A decode instance's pull in progress (``aborted``: free its blocks when it ends)."""
+
+    request: Request
+    rank: int
+    future: Future[bytes]
+    aborted: bool = False
 
 
 class LLMEngine:
@@ -121,6 +136,27 @@ class LLMEngine:
         self.block_manager = self.block_managers[0]
         self.scheduler = self.schedulers[0]
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
+        # Disaggregated serving (--role; engine/kv_transfer.py).
+        kc = config.kv_transfer_config
+        self.kv_transfer: KVTransfer | None = None
+        self.handovers: dict[int, tuple[Request, int]] = {}  # prefill: offers by transfer id
+        self.next_transfer_id = 1
+        self.pulls: dict[str, _Pull] = {}  # decode: pulls in progress by request id
+        self.waiting_pulls: list[Request] = []  # decode: waiting for blocks to pull into
+        if kc is not None:
+            if self.executor.window is not None:
+                raise ValueError(
+                    f"kv_role={kc.role!r}: sliding-window layers' KV is not transferred yet"
+                )
+            self.kv_transfer = DistKVTransfer(
+                self.executor.worker.runner.kv_caches,
+                kc.host,
+                kc.port,
+                kc.timeout_s,
+                serve=kc.role == "prefill",
+            )
+            if kc.role == "prefill":
+                logger.info("prefill instance: KV transfers served at %s", self.kv_transfer.address)
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.eplb = EplbStats()  # expert load balancing, as the ranks last reported it
         self.spec_stats = SpecStats()
@@ -218,6 +254,10 @@ class LLMEngine:
         return request
 
     def _schedule_request(self, request: Request) -> None:
+        if self.kv_transfer is not None and request.params.kv_transfer is not None:
+            if request.params.kv_transfer.get("transfer_id") is not None:
+                self._start_pull(request)
+                return
         rank = self._least_loaded_rank()
         self.schedulers[rank].add(request)
         self.rank_of[request.request_id] = rank
@@ -249,6 +289,9 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if rid in self.pulls:  # its blocks are freed when the pull ends
+                self.pulls[rid].aborted = True
+            self.waiting_pulls = [r for r in self.waiting_pulls if r.request_id != rid]
             rank = self.rank_of.pop(rid, None)
             if rank is not None:
                 self.schedulers[rank].abort(rid)
@@ -262,7 +305,11 @@ class LLMEngine:
                 self.adaptive.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.structured.pending) or any(s.has_unfinished() for s in self.schedulers)
+        """Requests in flight; under disaggregation also pulls in progress and hand-overs whose
+        blocks are still held (the loop keeps polling them)."""
+        return bool(
+            self.structured.pending or self.pulls or self.waiting_pulls or self.handovers
+        ) or any(s.has_unfinished() for s in self.schedulers)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block, on every DP rank."""
@@ -332,6 +379,7 @@ class LLMEngine:
             batch, k, decode, start = self.timed_step
             self.step_costs.record(batch, k, step_start - start, decode)
         self.timed_step = None
+        admitted = self._poll_transfers() if self.kv_transfer is not None else []
         if self.structured.pending:
             # Nothing else to run: wait a little for a grammar rather than spin.
             idle = not any(s.has_unfinished() for s in self.schedulers)
@@ -345,7 +393,9 @@ class LLMEngine:
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
                 self._send_grammars(empty)
                 self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
-            return []
+            if not admitted and (self.pulls or self.handovers):
+                self._wait_transfers()
+            return admitted
         # Speculation pauses while the step runs at least disable_by_batch_size requests (all
         # ranks), or drafts the schedule's K for this many: drafts cost more than they save
         # once the step is compute-bound.
@@ -422,53 +472,20 @@ class LLMEngine:
             # Its blocks are registered now that the KV rewind and the accepted tokens are in
             # (before, a speculative step hashed draft rows' slots with too few tokens).
             self.schedulers[self.rank_of[rid]].cache_computed_blocks([request])
+            if self._hands_over(request):
+                # Its decode instance goes on from here (and makes the checks above again).
+                if status is None and self.num_spec_tokens:
+                    request.spec_token_ids = self._next_drafts(
+                        request, result, i, k_step, n_drafts, accepted
+                    )
+                outputs.append(self._hand_over(request))
+                continue
             if status is not None:
                 self.schedulers[self.rank_of.pop(rid)].finish(request, status)
             elif self.num_spec_tokens:
-                room = (
-                    min(
-                        request.max_tokens - request.num_output_tokens,
-                        self.max_model_len - request.num_tokens,
-                    )
-                    - 1
+                request.spec_token_ids = self._next_drafts(
+                    request, result, i, k_step, n_drafts, accepted
                 )
-                if self.suffix is not None:
-                    # Suffix trees: cut to the room left; where graphs run, filled to the
-                    # captured node count (a filler is never accepted).
-                    tree = self.suffix.propose(rid, request.all_token_ids, min(room, k_step))
-                    drafts, request.spec_parents = tree.tokens, tree.parents
-                    if self.pad_ngram and room > 0 and k_step == self.num_spec_tokens:
-                        n = self.suffix.max_nodes
-                        drafts, request.spec_parents = pad_tree(tree, request.all_token_ids[-1], n)
-                    request.spec_max_depth = room
-                elif self.tree_drafts:
-                    # Tree nodes are ordered by depth, not along one path: keep the whole tree
-                    # and let verification skip the nodes deeper than the room left (and, for a
-                    # constrained request, never accept a node its grammar forbids).
-                    drafts = result.draft_token_ids[i] if room > 0 else []
-                    request.spec_max_depth = room
-                    request.spec_parents = result.draft_parents[i] if drafts else []
-                else:
-                    if self.ngram is not None:
-                        k = min(room, k_step)
-                        drafts = self.ngram.propose(rid, request.all_token_ids, k)
-                        if self.pad_ngram and k == self.num_spec_tokens:
-                            drafts = pad_drafts(drafts, request.all_token_ids[-1], k)
-                    else:
-                        drafts = result.draft_token_ids[i][: max(0, min(room, k_step))]
-                    if self.adaptive is not None:
-                        depth = self.adaptive.get(rid)
-                        if depth is None:
-                            cost = POSITION_COST["engine" if self.ngram is not None else "model"]
-                            sc = self.config.speculative_config
-                            by_confidence = sc.confidence_threshold is not None
-                            depth = self.adaptive[rid] = AdaptiveDepth(
-                                self.num_spec_tokens, cost, by_confidence=by_confidence
-                            )
-                        drafts = drafts[: depth.update(n_drafts, accepted, k_step)]
-                    if drafts and self.structured.is_constrained(rid):
-                        drafts = self._grammar_drafts(request, drafts)
-                request.spec_token_ids = drafts
             outputs.append(self._make_output(request))
             if status is not None:
                 self.detok.pop(rid, None)
@@ -482,7 +499,219 @@ class LLMEngine:
         # Prefill chunks that sampled nothing this step.
         for scheduler, sched in zip(self.schedulers, scheds, strict=True):
             scheduler.cache_computed_blocks([s.request for s in sched.scheduled])
-        return outputs
+        return admitted + outputs
+
+    def _next_drafts(
+        self, request: Request, result: Any, i: int, k_step: int, n_drafts: int, accepted: int
+    ) -> list[int]:
+        """The drafts a request verifies next step (its tree's parents and depth set too): the
+        rank's proposals, n-gram or suffix drafts, cut to the room left and by its grammar."""
+        rid = request.request_id
+        room = (
+            min(
+                request.max_tokens - request.num_output_tokens,
+                self.max_model_len - request.num_tokens,
+            )
+            - 1
+        )
+        if self.suffix is not None:
+            # Suffix trees: cut to the room left; where graphs run, filled to the
+            # captured node count (a filler is never accepted).
+            tree = self.suffix.propose(rid, request.all_token_ids, min(room, k_step))
+            drafts, request.spec_parents = tree.tokens, tree.parents
+            if self.pad_ngram and room > 0 and k_step == self.num_spec_tokens:
+                n = self.suffix.max_nodes
+                drafts, request.spec_parents = pad_tree(tree, request.all_token_ids[-1], n)
+            request.spec_max_depth = room
+        elif self.tree_drafts:
+            # Tree nodes are ordered by depth, not along one path: keep the whole tree
+            # and let verification skip the nodes deeper than the room left (and, for a
+            # constrained request, never accept a node its grammar forbids).
+            drafts = result.draft_token_ids[i] if room > 0 else []
+            request.spec_max_depth = room
+            request.spec_parents = result.draft_parents[i] if drafts else []
+        else:
+            if self.ngram is not None:
+                k = min(room, k_step)
+                drafts = self.ngram.propose(rid, request.all_token_ids, k)
+                if self.pad_ngram and k == self.num_spec_tokens:
+                    drafts = pad_drafts(drafts, request.all_token_ids[-1], k)
+            else:
+                drafts = result.draft_token_ids[i][: max(0, min(room, k_step))]
+            if self.adaptive is not None:
+                depth = self.adaptive.get(rid)
+                if depth is None:
+                    cost = POSITION_COST["engine" if self.ngram is not None else "model"]
+                    sc = self.config.speculative_config
+                    by_confidence = sc.confidence_threshold is not None
+                    depth = self.adaptive[rid] = AdaptiveDepth(
+                        self.num_spec_tokens, cost, by_confidence=by_confidence
+                    )
+                drafts = drafts[: depth.update(n_drafts, accepted, k_step)]
+            if drafts and self.structured.is_constrained(rid):
+                drafts = self._grammar_drafts(request, drafts)
+        return drafts
+
+    # -------------------------------------------------------------- disaggregation
+
+    def _hands_over(self, request: Request) -> bool:
+        kv = request.params.kv_transfer
+        return (
+            self.kv_transfer is not None
+            and kv is not None
+            and bool(kv.get("do_remote_decode"))
+            and self.kv_transfer.address != ""
+        )
+
+    def _hand_over(self, request: Request) -> RequestOutput:
+        """Prefill side, after the step that sampled the request's first token (and drafts):
+        hold its blocks and draft state for the decode instance; its output says where."""
+        rid = request.request_id
+        rank = self.rank_of.pop(rid)
+        self.schedulers[rank].detach(request)  # the rank forgets it; its blocks stay held
+        assert self.kv_transfer is not None
+        tid = self.next_transfer_id
+        self.next_transfer_id += 1
+        state = self.executor.worker.runner.handover_state(rid)
+        self.kv_transfer.offer(tid, request.block_ids, state)
+        self.handovers[tid] = (request, rank)
+        first = request.output_token_ids[0]
+        lp = request.logprobs[0] if request.logprobs else None
+        params = {
+            "remote_address": self.kv_transfer.address,
+            "transfer_id": tid,
+            "num_blocks": len(request.block_ids),
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_cached_tokens": request.num_cached_tokens,
+            "first_token": first,
+            "first_logprob": None if lp is None else dataclasses.asdict(lp),
+            "drafts": list(request.spec_token_ids),
+            "draft_parents": list(request.spec_parents),
+            "draft_max_depth": request.spec_max_depth,
+        }
+        for forget in (self.detok, self.adaptive or {}):
+            forget.pop(rid, None)
+        self.structured.forget(rid)
+        for proposer in (self.ngram, self.suffix):
+            if proposer is not None:
+                proposer.forget(rid)
+        request.status = RequestStatus.FINISHED_LENGTH
+        out = self._make_output(request)
+        out.kv_transfer_params = params
+        return out
+
+    def _start_pull(self, request: Request) -> None:
+        """Decode side: blocks for the prompt's KV, then the pull into them (or a wait for
+        blocks, retried every step)."""
+        rank = self._least_loaded_rank()
+        bm = self.block_managers[rank]
+        kv = request.params.kv_transfer
+        assert kv is not None and self.kv_transfer is not None
+        if int(kv["num_prompt_tokens"]) != request.num_prompt_tokens:
+            self._fail_remote(
+                request,
+                f"kv_transfer_params: the prefill instance had {kv['num_prompt_tokens']} prompt "
+                f"tokens, this request {request.num_prompt_tokens}",
+            )
+            return
+        if request not in self.waiting_pulls:
+            self.prompt_tokens_total += request.num_prompt_tokens
+        # As many blocks as the prefill instance held (its draft loop's look-ahead included).
+        if not bm.allocate(request, int(kv["num_blocks"]) * bm.block_size):
+            if request not in self.waiting_pulls:
+                self.waiting_pulls.append(request)
+            return
+        self.rank_of[request.request_id] = rank
+        future = self.kv_transfer.pull(
+            str(kv["remote_address"]), int(kv["transfer_id"]), request.block_ids
+        )
+        self.pulls[request.request_id] = _Pull(request, rank, future)
+
+    def _fail_remote(self, request: Request, message: str) -> None:
+        self.detok.pop(request.request_id, None)
+        self.structured.forget(request.request_id)
+        self.failed.append(RequestFailure(request.request_id, message, None))
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        """Prefill side: free the blocks of offers taken or expired. Decode side: admit the
+        requests whose pull completed (their first output), retry those waiting for blocks."""
+        assert self.kv_transfer is not None
+        for tid, _sent in self.kv_transfer.finished():
+            held = self.handovers.pop(tid, None)
+            if held is not None:
+                request, rank = held
+                self.block_managers[rank].free(request)
+        waiting, self.waiting_pulls = self.waiting_pulls, []
+        for request in waiting:
+            self.waiting_pulls.append(request)
+            self._start_pull(request)
+            if request.request_id in self.pulls:
+                self.waiting_pulls.remove(request)
+        admitted = []
+        for rid, pull in list(self.pulls.items()):
+            if not pull.future.done():
+                continue
+            del self.pulls[rid]
+            request = pull.request
+            try:
+                state = pull.future.result()
+            except Exception as e:
+                self.block_managers[pull.rank].free(request)
+                if not pull.aborted:
+                    self.rank_of.pop(rid, None)
+                    self._fail_remote(request, f"KV transfer failed: {e}")
+                continue
+            if pull.aborted:
+                self.block_managers[pull.rank].free(request)
+                continue
+            out = self._admit_pulled(request, pull.rank, state)
+            if out is not None:
+                admitted.append(out)
+        return admitted
+
+    def _admit_pulled(self, request: Request, rank: int, state: bytes) -> RequestOutput | None:
+        """Decode side: the request as its prefill instance left it: prompt KV computed, first
+        token sampled, drafts proposed; the checks of a first token run here."""
+        rid = request.request_id
+        kv = request.params.kv_transfer
+        assert kv is not None
+        now = time.monotonic()
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = int(kv.get("num_cached_tokens", 0))
+        first = int(kv["first_token"])
+        request.append_token(first)
+        self.generation_tokens_total += 1
+        if request.params.logprobs is not None and kv.get("first_logprob") is not None:
+            request.logprobs.append(TokenLogprobs(**kv["first_logprob"]))
+        self.executor.worker.runner.adopt_state(rid, state)
+        scheduler = self.schedulers[rank]
+        scheduler.adopt(request)
+        request.first_scheduled_time = request.first_token_time = now
+        status = self._check_stop(request, first)
+        if status is None and self.structured.is_constrained(rid):
+            status = self._advance_grammar(request, first)
+        if request.is_finished:  # its grammar failed
+            return None
+        scheduler.cache_computed_blocks([request])
+        if status is not None:
+            scheduler.finish(request, status)
+            self.rank_of.pop(rid, None)
+            out = self._make_output(request)
+            self.detok.pop(rid, None)
+            self.structured.forget(rid)
+            return out
+        request.spec_token_ids = [int(t) for t in kv.get("drafts", [])]
+        request.spec_parents = [int(t) for t in kv.get("draft_parents", [])]
+        request.spec_max_depth = int(kv.get("draft_max_depth", 0))
+        return self._make_output(request)
+
+    def _wait_transfers(self) -> None:
+        """Nothing to run but transfers: wait a little for one instead of spinning."""
+        futures = [p.future for p in self.pulls.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=0.01, return_when="FIRST_COMPLETED")
+        else:
+            time.sleep(0.01)
 
     def draft_len(self, batch_size: int) -> int:
         """Drafts a step of ``batch_size`` requests (every rank's) proposes: 0 past

@@ -8,6 +8,7 @@ per-request random generators, and it receives plain, picklable step description
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import Any
 
 import torch
@@ -190,6 +191,36 @@ class ModelRunner:
             gen.manual_seed(r.params.seed)
             self.generators[r.request_id] = gen
         return gen
+
+    # ---------------------------------------------------------------- hand-over
+
+    def handover_state(self, request_id: str) -> bytes:
+        """What a request's next steps read here besides its KV: the draft probabilities its
+        drafts were sampled from (rejection sampling) and its random generator; serialized for
+        a decode instance (engine/kv_transfer.py)."""
+        state: dict[str, Any] = {}
+        if self.spec is not None:
+            state["spec"] = self.spec.export_request(request_id)
+        gen = self.generators.get(request_id)
+        if gen is not None:
+            state["generator"] = gen.get_state()
+        if not state.get("spec") and "generator" not in state:
+            return b""
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+
+    def adopt_state(self, request_id: str, blob: bytes) -> None:
+        """``handover_state``'s blob, for the same request here."""
+        if not blob:
+            return
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        if self.spec is not None and state.get("spec"):
+            self.spec.import_request(request_id, state["spec"], self.device)
+        if "generator" in state:
+            gen = torch.Generator(device=self.device)
+            gen.set_state(state["generator"])
+            self.generators[request_id] = gen
 
     def sampling_tensors(self, sampled: list[RequestStep]) -> SamplingTensors:
         rows = []

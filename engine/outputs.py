@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.engine.request import SpecStats, TokenLogprobs
 from tandem.engine.structured_output import Histogram
@@ -28,6 +29,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     spec_stats: SpecStats | None = None  # speculative decoding counts, when speculating
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's hand-over
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class OutputDelta:
     spec_stats: SpecStats | None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None  # the first delta only
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -147,6 +150,7 @@ class OutputEncoder:
             spec_stats=out.spec_stats,
             prompt=out.prompt if first else None,
             prompt_token_ids=out.prompt_token_ids if first else None,
+            kv_transfer_params=out.kv_transfer_params,
         )
 
     def forget(self, request_ids: list[str]) -> None:
@@ -191,4 +195,5 @@ class OutputAssembly:
             num_cached_tokens=delta.num_cached_tokens,
             metrics=delta.metrics,
             spec_stats=delta.spec_stats,
+            kv_transfer_params=delta.kv_transfer_params,
         )

@@ -44,6 +44,9 @@ class SamplingParams:
     detokenize: bool = True
     # Constrained generation (JSON schema, regex, ...): see engine/structured_output.py.
     structured: StructuredSpec | None = None
+    # Disaggregated serving: {"do_remote_decode": true} on a prefill instance (hand the request
+    # over after its first token), or the prefill instance's answer on a decode instance.
+    kv_transfer: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

@@ -94,6 +94,22 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_ids.append(request.request_id)
 
+    def detach(self, request: Request) -> None:
+        """Stop scheduling a request whose blocks someone else now holds (a hand-over to a
+        decode instance): the ranks forget it; the caller frees its blocks later."""
+        if request in self.running:
+            self.running.remove(request)
+        del self.requests[request.request_id]
+        self.finished_ids.append(request.request_id)
+
+    def adopt(self, request: Request) -> None:
+        """Run a request that arrives computed (its blocks allocated and filled elsewhere)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:

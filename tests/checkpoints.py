@@ -475,6 +475,15 @@ def scale_residual_writes(folder: Path, factor: float) -> None:
     _write_state(folder, state)
 
 
+def build_deepseek_mtp_target(folder: Path, num_mtp_layers: int = 1) -> Path:
+    """A 2-layer DeepSeek-V3 (322 tokens) whose layers write little to the residual stream, with
+    near-echo MTP layers: drafts mostly right, acceptance that varies by position."""
+    build_deepseek_v3(folder, layers=2, vocab_size=322)
+    scale_residual_writes(folder, 0.05)
+    add_deepseek_mtp_layers(folder, num_mtp_layers, echo=True)
+    return folder
+
+
 def add_deepseek_mtp_layers(
     folder: Path, num_layers: int = 1, *, seed: int = 1, echo: bool = False
 ) -> None:

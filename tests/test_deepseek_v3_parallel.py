@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from checkpoints import add_deepseek_mtp_layers, build_deepseek_v3, scale_residual_writes
+from checkpoints import build_deepseek_mtp_target
 from tandem import LLM, SamplingParams
 
 # Unequal load under ADP: least-loaded assignment gives rank 1 the short requests, so it idles
@@ -25,10 +25,7 @@ RUN: dict[str, Any] = {"dtype": "float32", "max_num_batched_tokens": 16}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = build_deepseek_v3(tmp_path_factory.mktemp("dsv3tp") / "t", layers=2, vocab_size=322)
-    scale_residual_writes(folder, 0.05)
-    add_deepseek_mtp_layers(folder, 1, echo=True)
-    return folder
+    return build_deepseek_mtp_target(tmp_path_factory.mktemp("dsv3tp") / "t")
 
 
 def _generate(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[Any]]:

@@ -36,13 +36,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from checkpoints import (
-    add_deepseek_mtp_layers,
-    build_deepseek_v3,
+    build_deepseek_mtp_target,
     build_llama,
     build_qwen3_moe,
     make_echo_target,
     perfect_eagle3_draft,
-    scale_residual_writes,
 )
 from server_utils import RemoteServer, free_port, scrape_metrics
 from tandem import LLM, SamplingParams
@@ -90,10 +88,7 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V3: a dense and an MoE layer (8 experts, 2 per rank), 322 tokens (LM-head
     shards of unequal use), two MTP layers whose drafts are mostly right (eagle mode reads the
     first)."""
-    folder = build_deepseek_v3(tmp_path_factory.mktemp("mn_dsv3") / "t", layers=2, vocab_size=322)
-    scale_residual_writes(folder, 0.05)
-    add_deepseek_mtp_layers(folder, 2, echo=True)
-    return folder
+    return build_deepseek_mtp_target(tmp_path_factory.mktemp("mn_dsv3") / "t", 2)
 
 
 @pytest.fixture(scope="module")

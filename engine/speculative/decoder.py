@@ -120,6 +120,17 @@ class SpecDecoder:
         for rid in request_ids:
             self.draft_q.pop(rid, None)
 
+    def export_request(self, request_id: str) -> dict[str, Any]:
+        """What ``forget`` would drop of one request, on the host: its state for a decode
+        instance (a hand-over, engine/kv_transfer.py)."""
+        q = self.draft_q.get(request_id)
+        return {} if q is None else {"draft_q": q.cpu()}
+
+    def import_request(self, request_id: str, state: dict[str, Any], device: Any) -> None:
+        """``export_request``'s state, for the same request here."""
+        if "draft_q" in state:
+            self.draft_q[request_id] = state["draft_q"].to(device)
+
     # ------------------------------------------------------------------ verification
 
     def verify(

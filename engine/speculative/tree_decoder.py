@@ -158,6 +158,19 @@ class TreeDecoder(SpecDecoder):
         for rid in request_ids:
             self.shapes.pop(rid, None)
 
+    def export_request(self, request_id: str) -> dict[str, Any]:
+        state = super().export_request(request_id)
+        shape = self.shapes.get(request_id)
+        if shape is not None:  # the next tree's parents, depths and words
+            state["tree_shape"] = [t.cpu() for t in shape]
+        return state
+
+    def import_request(self, request_id: str, state: dict[str, Any], device: Any) -> None:
+        super().import_request(request_id, state, device)
+        if "tree_shape" in state:
+            parents, depths, words = (t.to(device) for t in state["tree_shape"])
+            self.shapes[request_id] = (parents, depths, words)
+
     # ------------------------------------------------------------------ the step's rows
 
     def prepare_tree(self, inp: Any, requests: list[Any]) -> None:

@@ -1,0 +1,269 @@
+"""Moving a prefilled request from a prefill instance to a decode instance (``--role``).
+
+A prefill instance runs a request's prompt, samples its first token and its drafts, then holds
+the request's KV blocks and its draft state (``offer``) until the decode instance named by the
+router pulls them, or ``timeout_s`` passes. The decode instance allocates blocks of its own,
+pulls into them (``pull``: a future) and continues the request as if it had prefilled it.
+
+What moves, per request: the rows of every cache tensor for its blocks, in the cache's order
+(the target's layers, then the draft head's: its KV for the prompt positions, written by the
+prefill step's draft pass), and a small state blob (the draft probabilities a sampled first
+verification needs, the request's random generator). The first token, its log-probs and the
+drafts travel in the response's ``kv_transfer_params`` through the router.
+
+``KVTransfer`` is the interface; ``DistKVTransfer`` implements it on ``torch.distributed``
+point-to-point (gloo; the same calls run on NCCL): the prefill instance hosts a ``TCPStore`` at
+its transfer address, each decode instance that pulls from it registers a pair there (its cache
+layout first: a mismatch is refused naming both), and the two build a 2-rank process group of
+their own. Per pair the prefill side serves one pull at a time on a thread: the decode side
+sends (transfer id, block count), the prefill side answers (found, data bytes, state bytes) and
+the bytes. Another transport (NIXL, Mooncake) implements the same four methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistKVTransfer", "KVTransfer", "TransferError", "cache_layout"]
+
+
+class TransferError(RuntimeError):
+    """A pull that did not complete: the request fails (nothing was streamed yet)."""
+
+
+class KVTransfer(Protocol):
+    address: str  # where decode instances reach this one ("HOST:PORT")
+
+    def offer(self, transfer_id: int, block_ids: list[int], state: bytes) -> None:
+        """Prefill side: make a request's blocks and state pullable until taken or expired."""
+        ...
+
+    def finished(self) -> list[tuple[int, bool]]:
+        """Prefill side: (transfer id, sent) for offers taken or expired since the last call;
+        their blocks may be freed."""
+        ...
+
+    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Future[bytes]:
+        """Decode side: copy the offer into ``block_ids``; the future's result is the state."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def cache_layout(caches: list[tuple[Tensor, ...]]) -> str:
+    """What both sides must agree on: every cache tensor's per-block shape and dtype."""
+    return ";".join(
+        f"{tuple(t.shape[1:])}:{str(t.dtype).removeprefix('torch.')}"
+        for layer in caches
+        for t in layer
+    )
+
+
+@dataclass
+class _Offer:
+    block_ids: list[int]
+    state: bytes
+    deadline: float
+
+
+class DistKVTransfer:
+    """``KVTransfer`` on torch.distributed point-to-point (see the module docstring).
+    ``caches``: the rank's KV cache tensors, each [num_blocks, block_size, ...]."""
+
+    def __init__(
+        self,
+        caches: list[tuple[Tensor, ...]],
+        host: str,
+        port: int,
+        timeout_s: float,
+        serve: bool,
+    ) -> None:
+        self.tensors = [t for layer in caches for t in layer]
+        self.layout = cache_layout(caches)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.offers: dict[int, _Offer] = {}
+        self.done: list[tuple[int, bool]] = []
+        self.closed = False
+        self.store: Any = None
+        self.address = ""
+        if serve:  # prefill side: the pairs' rendezvous
+            self.store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=self.timeout
+            )
+            self.address = f"{host}:{self.store.port}"
+            threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True).start()
+        # Decode side: one pair (and one thread, pulls in order) per prefill instance.
+        self.pairs: dict[str, tuple[Any, ThreadPoolExecutor]] = {}
+
+    # ------------------------------------------------------------ prefill side
+
+    def offer(self, transfer_id: int, block_ids: list[int], state: bytes) -> None:
+        with self.lock:
+            self.offers[transfer_id] = _Offer(
+                list(block_ids), state, time.monotonic() + self.timeout_s
+            )
+
+    def finished(self) -> list[tuple[int, bool]]:
+        now = time.monotonic()
+        with self.lock:
+            for tid in [t for t, o in self.offers.items() if o.deadline < now]:
+                del self.offers[tid]
+                self.done.append((tid, False))
+                logger.warning("KV transfer %d expired: no decode instance pulled it", tid)
+            done, self.done = self.done, []
+        return done
+
+    def _accept(self) -> None:
+        """Each decode instance that registers a pair: check its layout, then serve it."""
+        seen = 0
+        while not self.closed:
+            try:
+                count = self.store.add("pairs", 0)
+            except Exception:  # the store is closing
+                return
+            while seen < count:
+                key = f"pair{seen}"
+                seen += 1
+                threading.Thread(
+                    target=self._serve_pair, args=(key,), name=f"kv-{key}", daemon=True
+                ).start()
+            time.sleep(0.05)
+
+    def _serve_pair(self, key: str) -> None:
+        store = dist.PrefixStore(key, self.store)
+        theirs = store.get("layout").decode()
+        if theirs != self.layout:
+            store.set(
+                "verdict",
+                f"KV cache layouts differ: the prefill instance has [{self.layout}], the decode "
+                f"instance [{theirs}] (same model, dtype, block size and --kv-cache-dtype on "
+                "both)",
+            )
+            return
+        store.set("verdict", "ok")
+        group = dist.ProcessGroupGloo(store, 0, 2, self.timeout)
+        header = torch.zeros(2, dtype=torch.int64)
+        while not self.closed:
+            try:
+                group.recv([header], 1, 0).wait()
+            except Exception:  # the decode instance went away
+                return
+            tid = int(header[0])
+            with self.lock:
+                offer = self.offers.pop(tid, None)
+            try:
+                if offer is None or len(offer.block_ids) != int(header[1]):
+                    group.send([torch.zeros(3, dtype=torch.int64)], 1, 1).wait()
+                    continue
+                data = self._gather(offer.block_ids)
+                state = torch.tensor(list(offer.state), dtype=torch.uint8)
+                status = torch.tensor([1, data.numel(), state.numel()], dtype=torch.int64)
+                group.send([status], 1, 1).wait()
+                group.send([data], 1, 2).wait()
+                if state.numel():
+                    group.send([state], 1, 3).wait()
+            except Exception as e:
+                logger.warning("KV transfer %d failed: %s", tid, e)
+                if offer is not None:
+                    with self.lock:
+                        self.done.append((tid, False))
+                return
+            with self.lock:
+                self.done.append((tid, True))
+
+    def _gather(self, block_ids: list[int]) -> Tensor:
+        parts = []
+        for t in self.tensors:  # as bytes: any dtype (FP8 included) travels and indexes alike
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=t.device)
+            parts.append(t.view(torch.uint8)[idx].reshape(-1).cpu())
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------ decode side
+
+    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Future[bytes]:
+        with self.lock:
+            pair = self.pairs.get(address)
+            if pair is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+                pair = self.pairs[address] = (None, pool)
+        return pair[1].submit(self._pull, address, transfer_id, list(block_ids))
+
+    def _group(self, address: str) -> Any:
+        group = self.pairs[address][0]
+        if group is not None:
+            return group
+        host, _, port = address.rpartition(":")
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        except Exception as e:
+            raise TransferError(f"cannot reach the prefill instance at {address}: {e}") from e
+        index = store.add("pairs", 1) - 1
+        pair_store = dist.PrefixStore(f"pair{index}", store)
+        pair_store.set("layout", self.layout)
+        verdict = pair_store.get("verdict").decode()
+        if verdict != "ok":
+            raise TransferError(verdict)
+        group = dist.ProcessGroupGloo(pair_store, 1, 2, self.timeout)
+        self.pairs[address] = (group, self.pairs[address][1])
+        return group
+
+    def _forget(self, address: str) -> None:
+        pool = self.pairs[address][1]
+        self.pairs[address] = (None, pool)
+
+    def _pull(self, address: str, transfer_id: int, block_ids: list[int]) -> bytes:
+        group = self._group(address)
+        try:
+            header = torch.tensor([transfer_id, len(block_ids)], dtype=torch.int64)
+            group.send([header], 0, 0).wait()
+            status = torch.zeros(3, dtype=torch.int64)
+            group.recv([status], 0, 1).wait()
+            if int(status[0]) != 1:
+                raise TransferError(
+                    f"the prefill instance at {address} no longer holds transfer "
+                    f"{transfer_id} (expired, taken, or another block count)"
+                )
+            data = torch.empty(int(status[1]), dtype=torch.uint8)
+            group.recv([data], 0, 2).wait()
+            state = torch.empty(int(status[2]), dtype=torch.uint8)
+            if state.numel():
+                group.recv([state], 0, 3).wait()
+        except TransferError:
+            raise
+        except Exception as e:  # the pair is broken: a later pull pairs again
+            self._forget(address)
+            raise TransferError(f"KV transfer from {address} failed: {e}") from e
+        self._scatter(block_ids, data)
+        return bytes(state.numpy())
+
+    def _scatter(self, block_ids: list[int], data: Tensor) -> None:
+        n = len(block_ids)
+        offset = 0
+        for t in self.tensors:
+            raw = t.view(torch.uint8)
+            size = n * raw[0].numel()
+            rows = data[offset : offset + size].view(n, *raw.shape[1:])
+            idx = torch.tensor(block_ids, dtype=torch.int64, device=t.device)
+            raw.index_copy_(0, idx, rows.to(t.device))
+            offset += size
+        if offset != data.numel():
+            raise TransferError(f"KV transfer: {data.numel()} bytes for {offset} expected")
+
+    def close(self) -> None:
+        self.closed = True
+        for _, pool in self.pairs.values():
+            pool.shutdown(wait=False, cancel_futures=True)

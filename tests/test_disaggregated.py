@@ -1,0 +1,258 @@
+"""Prefill/decode disaggregation at the engine (engine/kv_transfer.py): a prefill engine hands
+each request over after its first token, a decode engine pulls its KV blocks (target and draft
+layers) and draft state over a gloo pair and goes on; against one engine doing both:
+
+- greedy tokens and log-probs equal, and the drafts accepted per position equal (a missing draft
+  KV or draft state would lower acceptance right after the hand-over, not change the text),
+  without speculation, with Eagle3 chains and trees on a Llama target, and with MTP on a
+  DeepSeek-V3 target (MLA's latent cache);
+- seeded sampled requests (temperature 0.8) give the same tokens: the request's random generator
+  and its drafts' probabilities move with it;
+- chunked prefill and a prefix-cache hit on the prefill side, a JSON schema on both;
+- failures: an offer nobody pulls expires and frees its blocks; a pull from an address where no
+  prefill instance listens, or of a transfer the prefill instance no longer holds, fails the
+  request with its reason and frees the decode side's blocks; a decode instance with another
+  KV layout is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpoints import (
+    build_deepseek_mtp_target,
+    build_llama,
+    make_echo_target,
+    perfect_eagle3_draft,
+)
+from tandem import LLM, SamplingParams
+from tandem.engine.config import EngineArgs
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.outputs import RequestOutput
+
+PROMPTS = [
+    "Hello world! How are you today?",
+    "Paris is the capital of",
+    "Hello world! How are you doing?",  # shares a block with the first: a prefix-cache hit
+    "a",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+SAMPLED = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+RUN: dict[str, Any] = {"max_model_len": 256, "max_num_batched_tokens": 8}  # chunked prefill
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pd_llama")
+    target = build_llama(root / "t", layers=2, heads=4, kv_heads=2)
+    make_echo_target(target, residual_scale=20.0)
+    return target, perfect_eagle3_draft(root / "d", target, residual_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_deepseek_mtp_target(tmp_path_factory.mktemp("pd_dsv3") / "t")
+
+
+def _engine(model: Path, spec: dict[str, Any] | None, role: str, **kw: Any) -> LLMEngine:
+    args = EngineArgs(model=str(model), speculative_config=spec, kv_role=role, **RUN, **kw)
+    return LLMEngine.from_engine_args(args)
+
+
+def _finish(engine: LLMEngine, rid: str, deadline_s: float = 60.0) -> RequestOutput:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+        failed = engine.take_failed()
+        assert not failed, failed
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def _disaggregated(
+    prefill: LLMEngine, decode: LLMEngine, params: SamplingParams, prompts: list[str]
+) -> list[RequestOutput]:
+    """Each prompt through the prefill engine (handed over), then the decode engine."""
+    outs = []
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        p = dataclasses.replace(params, kv_transfer={"do_remote_decode": True})
+        prefill.add_request(rid, prefill.make_request(rid, prompt, p))
+        handed = _finish(prefill, rid)
+        kv = handed.kv_transfer_params
+        assert kv is not None and len(handed.outputs[0].token_ids) == 1
+        d = dataclasses.replace(params, kv_transfer=kv)
+        decode.add_request(rid, decode.make_request(rid, prompt, d))
+        outs.append(_finish(decode, rid))
+    _drain(prefill)
+    return outs
+
+
+def _drain(engine: LLMEngine) -> None:
+    """Until the prefill engine has freed every handed-over request's blocks."""
+    end = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < end:
+        engine.step()
+    assert not engine.has_unfinished_requests()
+
+
+def _colocated(model: Path, spec: dict[str, Any] | None, params: SamplingParams) -> list[Any]:
+    """One engine doing both, the prompts one after another as the hand-overs run them (a
+    batch's other rows would change a near-tied draft)."""
+    with LLM(str(model), speculative_config=spec, **RUN) as llm:
+        return [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+
+
+def _assert_same(got: list[RequestOutput], want: list[Any], speculative: bool) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        if w.outputs[0].logprobs is not None:
+            assert g.outputs[0].logprobs is not None
+            diff = max(
+                abs(a.logprob - b.logprob)
+                for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True)
+            )
+            assert diff < 1e-5
+        if speculative:
+            assert g.spec_stats is not None and w.spec_stats is not None
+            assert g.spec_stats.accepted_per_pos == w.spec_stats.accepted_per_pos
+            assert g.spec_stats.num_drafts == w.spec_stats.num_drafts
+
+
+EAGLE3_CHAIN = {"method": "eagle3", "num_speculative_tokens": 3}
+EAGLE3_TREE = {"method": "eagle3", "num_speculative_tokens": 3, "topk": 2, "num_draft_tokens": 6}
+
+
+@pytest.mark.parametrize("spec", [None, EAGLE3_CHAIN, EAGLE3_TREE], ids=["plain", "chain", "tree"])
+def test_llama_handed_over_equals_colocated(llama: tuple[Path, Path], spec: Any) -> None:
+    target, draft = llama
+    spec = None if spec is None else {**spec, "model": str(draft)}
+    want = _colocated(target, spec, GREEDY)
+    if spec is not None:  # drafts accepted and rejected: the counts can tell
+        per_pos = [
+            sum(x) for x in zip(*(w.spec_stats.accepted_per_pos for w in want), strict=False)
+        ]
+        assert per_pos[0] > 0 and sum(per_pos) < 3 * sum(w.spec_stats.num_drafts for w in want)
+    prefill, decode = _engine(target, spec, "prefill"), _engine(target, spec, "decode")
+    try:
+        got = _disaggregated(prefill, decode, GREEDY, PROMPTS)
+        _assert_same(got, want, spec is not None)
+        assert prefill.get_stats().prefix_cache_hits > 0  # the third prompt's first block
+        for engine in (prefill, decode):
+            assert engine.get_stats().num_used_kv_blocks == 0
+        if spec is not None:  # sampled: the generator and the draft probabilities move
+            want = _colocated(target, spec, SAMPLED)
+            got = _disaggregated(prefill, decode, SAMPLED, PROMPTS)
+            assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_deepseek_mtp_handed_over_equals_colocated(deepseek: Path) -> None:
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    want = _colocated(deepseek, spec, GREEDY)
+    prefill, decode = _engine(deepseek, spec, "prefill"), _engine(deepseek, spec, "decode")
+    try:
+        got = _disaggregated(prefill, decode, GREEDY, PROMPTS)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    _assert_same(got, want, True)
+    assert sum(sum(w.spec_stats.accepted_per_pos) for w in want) > 0
+
+
+def test_a_json_schema_holds_across_the_hand_over(llama: tuple[Path, Path]) -> None:
+    from tandem.engine.structured_output import StructuredSpec
+
+    target, draft = llama
+    spec = {**EAGLE3_CHAIN, "model": str(draft)}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = dataclasses.replace(
+        GREEDY,
+        ignore_eos=False,
+        max_tokens=24,
+        structured=StructuredSpec("json_schema", json.dumps(schema)),
+    )
+    want = _colocated(target, spec, params)
+    prefill, decode = _engine(target, spec, "prefill"), _engine(target, spec, "decode")
+    try:
+        got = _disaggregated(prefill, decode, params, PROMPTS[:2])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    _assert_same(got, want[:2], True)
+
+
+def test_transfers_that_cannot_complete_free_their_blocks(llama: tuple[Path, Path]) -> None:
+    target, _ = llama
+    prefill = _engine(target, None, "prefill", kv_transfer_timeout=0.5)
+    decode = _engine(target, None, "decode", kv_transfer_timeout=5)
+    try:
+        # An offer nobody pulls expires: its blocks are freed.
+        p = dataclasses.replace(GREEDY, kv_transfer={"do_remote_decode": True})
+        prefill.add_request("x", prefill.make_request("x", PROMPTS[0], p))
+        kv = _finish(prefill, "x").kv_transfer_params
+        assert kv is not None and prefill.get_stats().num_used_kv_blocks > 0
+        _drain(prefill)
+        assert prefill.get_stats().num_used_kv_blocks == 0
+        # Pulling it now: the prefill instance no longer holds it.
+        d = dataclasses.replace(GREEDY, kv_transfer=kv)
+        decode.add_request("x", decode.make_request("x", PROMPTS[0], d))
+        failed = _failures(decode)
+        assert "no longer holds transfer" in failed[0].message
+        # Nothing listens there.
+        dead = {**kv, "remote_address": "127.0.0.1:9"}
+        decode.add_request(
+            "y", decode.make_request("y", PROMPTS[0], dataclasses.replace(d, kv_transfer=dead))
+        )
+        failed = _failures(decode)
+        assert "cannot reach the prefill instance at 127.0.0.1:9" in failed[0].message
+        assert decode.get_stats().num_used_kv_blocks == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _failures(engine: LLMEngine) -> list[Any]:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        engine.step()
+        failed = engine.take_failed()
+        if failed:
+            assert not engine.has_unfinished_requests()
+            return failed
+    raise AssertionError("no failure reported")
+
+
+def test_a_decode_instance_with_another_kv_layout_is_refused(llama: tuple[Path, Path]) -> None:
+    target, _ = llama
+    prefill = _engine(target, None, "prefill", dtype="float32")
+    decode = _engine(target, None, "decode", dtype="bfloat16")
+    try:
+        p = dataclasses.replace(GREEDY, kv_transfer={"do_remote_decode": True})
+        prefill.add_request("x", prefill.make_request("x", PROMPTS[0], p))
+        kv = _finish(prefill, "x").kv_transfer_params
+        d = dataclasses.replace(GREEDY, kv_transfer=kv)
+        decode.add_request("x", decode.make_request("x", PROMPTS[0], d))
+        message = _failures(decode)[0].message
+        assert "KV cache layouts differ" in message
+        assert "float32" in message and "bfloat16" in message
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_roles_are_refused_where_the_kv_would_not_move() -> None:
+    with pytest.raises(ValueError, match="kv_role='decode' runs on one rank"):
+        EngineArgs(model=".", kv_role="decode", tensor_parallel_size=2)._kv_transfer_config()
+    with pytest.raises(ValueError, match="kv_role='middle' is invalid"):
+        EngineArgs(model=".", kv_role="middle")._kv_transfer_config()
