@@ -1,5 +1,6 @@
-"""The ``tandem`` command: ``serve`` (the HTTP server, ``tandem.server.cli``), ``bench``
-(``tandem.bench``) and ``train-draft`` (``tandem.training``). Light at import: each command
+"""The ``tandem`` command: ``serve`` (the HTTP server, ``tandem.server.cli``), ``router`` (a
+front for prefill and decode instances, ``tandem.server.router``), ``bench`` (``tandem.bench``)
+and ``train-draft`` (``tandem.training``). Light at import: each command
 loads what it needs when it runs."""
 
 from __future__ import annotations
@@ -23,7 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_parser(sub)
     add_train_draft_parser(sub)
+    add_router_arguments(
+        sub.add_parser(
+            "router", help="one OpenAI-compatible front for prefill and decode instances"
+        )
+    )
     return parser
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """``tandem router`` (``tandem.server.router``, imported when it runs)."""
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (tandem serve --role prefill), e.g. http://h:8100")  # fmt: skip
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances (tandem serve --role decode)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="the longest an instance may take to answer (600)")  # fmt: skip
+    p.add_argument("--log-level", default="info")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -60,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.bench import serve as bench_serve
 
         return (bench_serve if ns.bench_command == "serve" else bench_compare).main(ns)
+    if ns.command == "router":
+        from tandem.server.router import run_router
+
+        return run_router(ns)
     if ns.command == "train-draft":
         from tandem.training.cli import run_train_draft
 

@@ -91,6 +91,7 @@ class DistKVTransfer:
         serve: bool,
     ) -> None:
         self.tensors = [t for layer in caches for t in layer]
+        self.bytes_per_block = sum(t[0].numel() * t.element_size() for t in self.tensors)
         self.layout = cache_layout(caches)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s

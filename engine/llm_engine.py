@@ -16,7 +16,7 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
-from tandem.engine.kv_transfer import DistKVTransfer, KVTransfer
+from tandem.engine.kv_transfer import DistKVTransfer
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestFailure, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -138,7 +138,7 @@ class LLMEngine:
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
         # Disaggregated serving (--role; engine/kv_transfer.py).
         kc = config.kv_transfer_config
-        self.kv_transfer: KVTransfer | None = None
+        self.kv_transfer: DistKVTransfer | None = None
         self.handovers: dict[int, tuple[Request, int]] = {}  # prefill: offers by transfer id
         self.next_transfer_id = 1
         self.pulls: dict[str, _Pull] = {}  # decode: pulls in progress by request id
@@ -581,6 +581,7 @@ class LLMEngine:
             "remote_address": self.kv_transfer.address,
             "transfer_id": tid,
             "num_blocks": len(request.block_ids),
+            "num_bytes": len(request.block_ids) * self.kv_transfer.bytes_per_block,
             "num_prompt_tokens": request.num_prompt_tokens,
             "num_cached_tokens": request.num_cached_tokens,
             "first_token": first,

@@ -390,6 +390,29 @@ def add_serve_arguments(s: argparse.ArgumentParser) -> None:
         help="JSON (or dotted keys): window_size, step_interval, num_redundant_experts, "
         "log_balancedness (always logged here); the flags above in one option",
     )
+    disagg = s.add_argument_group("disaggregated serving (tandem router in front)")
+    disagg.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill: hand each request that asks (kv_transfer_params) over after its first "
+        "token; decode: pull such requests' KV from their prefill instance; both (default)",
+    )
+    disagg.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="a prefill instance's KV transfer address, as decode instances reach it",
+    )
+    disagg.add_argument(
+        "--kv-transfer-port", type=int, default=0, help="its port (default: a free one)"
+    )
+    disagg.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long a prefill instance holds a hand-over, and a transfer may take (60)",
+    )
     par.add_argument(
         "--speculative-config",
         default=None,
@@ -533,6 +556,10 @@ def engine_args_from(ns: argparse.Namespace) -> Any:
         expert_parallel_size=ns.expert_parallel_size,
         enable_eplb=ns.enable_eplb,
         **eplb_options(ns),
+        kv_role=ns.role,
+        kv_transfer_host=ns.kv_transfer_host,
+        kv_transfer_port=ns.kv_transfer_port,
+        kv_transfer_timeout=ns.kv_transfer_timeout,
         nnodes=ns.nnodes,
         node_rank=ns.node_rank,
         dist_init_addr=dist_init_addr_from(ns),
@@ -596,6 +623,7 @@ def server_settings_from(
         max_schema_bytes=ns.max_schema_size,
         max_n=ns.max_n,
         allow_request_chat_template=ns.trust_request_chat_template,
+        kv_role=ns.role,
     )
 
 

@@ -119,6 +119,8 @@ class SamplingFields(StrictModel):
     # Declared by OpenAI, not implemented here: only neutral values pass check_supported.
     store: bool | None = None
     service_tier: str | None = None
+    # Disaggregated serving (vLLM's field): see server/serving.py check_kv_transfer.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def token_logit_bias(self) -> dict[int, Any] | None:
         """``logit_bias`` keyed by token id (its values are checked by ``SamplingParams``)."""

@@ -118,6 +118,7 @@ def check_request_size(req: SamplingFields, settings: Any) -> None:
 
     if req.n > settings.max_n:
         refuse(f"n={req.n}", settings.max_n, "--max-n", "n")
+    check_kv_transfer(req, settings)
     messages, tools = getattr(req, "messages", None), getattr(req, "tools", None) or []
     if messages is not None and len(messages) > settings.max_chat_messages:
         refuse(f"{len(messages)} messages", settings.max_chat_messages, "--max-chat-messages",
@@ -137,6 +138,58 @@ def check_request_size(req: SamplingFields, settings: Any) -> None:
         if size > settings.max_schema_bytes:
             refuse(f"{param} is {size} bytes", settings.max_schema_bytes, "--max-schema-size",
                    param)  # fmt: skip
+
+
+# What a decode instance's kv_transfer_params must hold (a prefill instance's answer).
+_HANDOVER_KEYS = {
+    "remote_address": str,
+    "transfer_id": int,
+    "num_blocks": int,
+    "num_prompt_tokens": int,
+    "first_token": int,
+}
+
+
+def check_kv_transfer(req: SamplingFields, settings: Any) -> None:
+    """``kv_transfer_params`` (vLLM's field; set by ``tandem router``): on a prefill instance
+    ``{"do_remote_decode": true}``, on a decode instance the prefill instance's answer; a 400
+    elsewhere or in another shape."""
+    kv = req.kv_transfer_params
+    if kv is None:
+        return
+    role = settings.kv_role
+    param = "kv_transfer_params"
+    if role == "both":
+        raise bad_request(
+            "kv_transfer_params: this server prefills and decodes itself (--role both); send it "
+            "to a --role prefill or --role decode instance (tandem router does)",
+            param,
+        )
+    if req.n != 1:
+        raise bad_request("kv_transfer_params: one sample per request (n=1)", "n")
+    if role == "prefill":
+        if kv.get("do_remote_decode") is not True or req.stream:
+            raise bad_request(
+                'a prefill instance takes kv_transfer_params {"do_remote_decode": true}, '
+                "not streamed",
+                param,
+            )
+        return
+    for key, kind in _HANDOVER_KEYS.items():
+        if not isinstance(kv.get(key), kind) or isinstance(kv.get(key), bool):
+            raise bad_request(
+                f"kv_transfer_params.{key}: a decode instance takes the prefill instance's "
+                f"kv_transfer_params as it answered them ({key} missing or not {kind.__name__})",
+                f"{param}.{key}",
+            )
+
+
+def handover_fields(outs: Iterable[RequestOutput]) -> dict[str, Any]:
+    """A prefill instance's response names the hand-over (``kv_transfer_params``)."""
+    for out in outs:
+        if out.kv_transfer_params is not None:
+            return {"kv_transfer_params": out.kv_transfer_params}
+    return {}
 
 
 def build_sampling_params(
@@ -177,6 +230,7 @@ def build_sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured=structured,
+            kv_transfer=req.kv_transfer_params,
         )
     except ValueError as e:
         raise engine_error_to_api(e, param_names=param_names) from e

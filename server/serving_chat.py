@@ -23,6 +23,7 @@ from tandem.server.serving import (
     compile_grammar,
     engine_error_to_api,
     envelope,
+    handover_fields,
     new_request_id,
     now_s,
     sse,
@@ -288,7 +289,12 @@ class ChatHandler:
                 {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish}
             )
         return envelope(
-            self, "chat.completion", choices, usage=self._usage(outs), system_fingerprint=None
+            self,
+            "chat.completion",
+            choices,
+            usage=self._usage(outs),
+            system_fingerprint=None,
+            **handover_fields(outs),
         )
 
     def _template(self) -> str | None:

@@ -16,6 +16,7 @@ from tandem.server.serving import (
     compile_grammar,
     engine_error_to_api,
     envelope,
+    handover_fields,
     new_request_id,
     now_s,
     sse,
@@ -102,7 +103,14 @@ class CompletionHandler:
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
             )
         usage = self._usage(dict(enumerate(outs)))
-        return envelope(self, "text_completion", choices, usage=usage, system_fingerprint=None)
+        return envelope(
+            self,
+            "text_completion",
+            choices,
+            usage=usage,
+            system_fingerprint=None,
+            **handover_fields(outs),
+        )
 
     # -------------------------------------------------------------- streaming
 

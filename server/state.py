@@ -45,6 +45,8 @@ class ServerSettings:
     max_tools: int = 128
     max_schema_bytes: int = 256 << 10
     max_n: int = MAX_N
+    # Disaggregated serving (--role): which kv_transfer_params requests may carry.
+    kv_role: str = "both"
     # A request's own "chat_template" is refused (400) unless the operator allows it.
     allow_request_chat_template: bool = False
     # How tool calls are read from the output (server/tool_parsers.py); None: the template's.

@@ -205,7 +205,7 @@ class RemoteServer:
         except subprocess.TimeoutExpired:
             pass
         self.log.close()
-        os.unlink(self.log.name)
+        Path(self.log.name).unlink(missing_ok=True)  # stop() may run twice
         if self.held is not None:
             self.held.close()
 

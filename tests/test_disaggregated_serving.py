@@ -1,0 +1,159 @@
+"""Disaggregated serving over HTTP: `tandem router` in front of a `--role prefill` and a
+`--role decode` instance (a Llama target with an Eagle3 head, K = 3), against one `--role both`
+instance, through the official `openai` client:
+
+- greedy completions and chat completions, streamed and not: the same text, log-probs and
+  speculative counts (drafts verified and accepted) per request as the instance doing both;
+- seeded sampled requests (temperature 0.8) give the same text: the request's random generator
+  moves with it;
+- a request the prefill instance refuses (400) reaches the client as that 400;
+- the decode instance gone: the client gets a 503 naming it, the router's /health answers 503
+  naming it, and the prefill instance frees the blocks it held for the hand-over.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from checkpoints import build_llama, make_echo_target, perfect_eagle3_draft
+from server_utils import RemoteServer, free_port, metric, scrape_metrics
+
+MODEL = "t"  # the served name: the model folder's
+PROMPTS = ["Hello world! How are you today?", "Paris is the capital of", "The quick brown fox"]
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("pd_http")
+    target = build_llama(root / MODEL, layers=2, heads=4, kv_heads=2)
+    make_echo_target(target, residual_scale=20.0)
+    draft = perfect_eagle3_draft(root / "d", target, residual_scale=3.0)
+    spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{draft}", '
+            '"num_speculative_tokens": 3}']  # fmt: skip
+    both = RemoteServer(target, spec)
+    prefill = RemoteServer(target, [*spec, "--role", "prefill", "--kv-transfer-timeout", "3"])
+    decode = RemoteServer(target, [*spec, "--role", "decode"])
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        for s in (both, prefill, decode):
+            s.wait_ready()
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "router", "--port", str(port),
+             "--prefill", prefill.base_url, "--decode", decode.base_url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url)
+        yield {"both": both, "prefill": prefill, "decode": decode, "router": url}
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=20)
+        for s in (both, prefill, decode):
+            s.stop()
+
+
+def _wait_healthy(url: str) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("the router never answered /health with 200")
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _completion(base: str, prompt: str, **kw: Any) -> tuple[str, list[float], Any]:
+    resp = _client(base).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, logprobs=0, extra_body={"ignore_eos": True}, **kw
+    )
+    choice = resp.choices[0]
+    return choice.text, choice.logprobs.token_logprobs, resp.usage.model_extra["spec_decode"]
+
+
+def test_completions_through_the_router_equal_one_instance(servers: dict[str, Any]) -> None:
+    accepted = 0
+    for prompt in PROMPTS:
+        want = _completion(servers["both"].base_url, prompt, temperature=0)
+        got = _completion(servers["router"], prompt, temperature=0)
+        assert got[0] == want[0]
+        assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-5
+        assert got[2] == want[2]  # drafts verified and accepted, step for step
+        accepted += want[2]["num_accepted_tokens"]
+    assert accepted > 0
+    samples = scrape_metrics(_At(servers["router"]))  # type: ignore[arg-type]
+    assert metric(samples, "tandem_router_handover_bytes_total") > 0
+    assert metric(samples, "tandem_router_requests_total", outcome="ok") >= len(PROMPTS)
+
+
+class _At:
+    """A router where ``scrape_metrics`` expects a server."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+def test_streamed_chat_and_seeded_sampling_equal_one_instance(servers: dict[str, Any]) -> None:
+    messages = [{"role": "user", "content": "Say something about Paris."}]
+
+    def chat(base: str) -> str:
+        stream = _client(base).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    assert chat(servers["router"]) == chat(servers["both"].base_url)
+    for seed in (1, 2):
+        want = _completion(servers["both"].base_url, PROMPTS[0], temperature=0.8, seed=seed)
+        got = _completion(servers["router"], PROMPTS[0], temperature=0.8, seed=seed)
+        assert got[0] == want[0]
+
+
+def test_a_request_the_prefill_instance_refuses_is_the_clients_400(
+    servers: dict[str, Any],
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(servers["router"]).completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert "max_tokens" in str(e.value)
+
+
+def test_a_dead_decode_instance_is_a_503_and_the_prefill_side_frees_its_blocks(
+    servers: dict[str, Any],
+) -> None:
+    """Runs last: it stops the decode instance."""
+    decode, prefill = servers["decode"], servers["prefill"]
+    decode.stop()
+    with pytest.raises(openai.APIStatusError) as e:
+        _completion(servers["router"], PROMPTS[1], temperature=0)
+    assert e.value.status_code == 503
+    assert decode.base_url in str(e.value)
+    health = httpx.get(servers["router"] + "/health", timeout=30)
+    assert health.status_code == 503
+    assert decode.base_url in health.json()["dead"]
+    end = time.monotonic() + 30  # the hand-over expires after --kv-transfer-timeout 3
+    used = None
+    while time.monotonic() < end:
+        used = metric(scrape_metrics(prefill), "tandem:kv_cache_used_blocks")
+        if used == 0:
+            break
+        time.sleep(0.5)
+    assert used == 0
