@@ -987,20 +987,17 @@ class EngineArgs:
         return want
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
-        """``kv_role`` prefill / decode: one rank for now (the KV moves from the engine process's
-        rank; ranks in other processes would each need their pair)."""
+        """``kv_role`` prefill / decode: each rank moves its own KV shard to the rank of the same
+        index on the other side (tensor parallelism; attention DP, replicas and several nodes
+        are not handled yet)."""
         _require(self.kv_role in KV_ROLES, "kv_role", self.kv_role, ", ".join(KV_ROLES))
         if self.kv_role == "both":
             return None
-        if (
-            self.tensor_parallel_size != 1
-            or self.enable_attention_dp
-            or self.nnodes != 1
-            or self.data_parallel_size != 1
-        ):
+        if self.enable_attention_dp or self.nnodes != 1 or self.data_parallel_size != 1:
             raise ValueError(
-                f"kv_role={self.kv_role!r} runs on one rank for now (no -tp, -dp, attention DP "
-                "or --nnodes): each rank's KV would need a transfer pair of its own"
+                f"kv_role={self.kv_role!r} runs under tensor parallelism on one node for now "
+                "(no -dp, attention DP or --nnodes): those place a request's KV on one rank of "
+                "many, which the transfer does not follow yet"
             )
         return KVTransferConfig(
             self.kv_role, self.kv_transfer_host, self.kv_transfer_port, self.kv_transfer_timeout

@@ -26,6 +26,7 @@ import datetime
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DistKVTransfer", "KVTransfer", "TransferError", "cache_layout"]
 
+ENDED_KEPT = 65536  # transfers remembered as taken or expired
+
 
 class TransferError(RuntimeError):
     """A pull that did not complete: the request fails (nothing was streamed yet)."""
@@ -49,6 +52,13 @@ class KVTransfer(Protocol):
     def offer(self, transfer_id: int, block_ids: list[int], state: bytes) -> None:
         """Prefill side: make a request's blocks and state pullable until taken or expired."""
         ...
+
+    def _ended(self, tid: int) -> None:
+        """Remember a transfer that was taken or expired (a pull of it fails at once); the
+        lock is held."""
+        self.ended[tid] = None
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
 
     def finished(self) -> list[tuple[int, bool]]:
         """Prefill side: (transfer id, sent) for offers taken or expired since the last call;
@@ -98,6 +108,7 @@ class DistKVTransfer:
         self.lock = threading.Lock()
         self.offers: dict[int, _Offer] = {}
         self.done: list[tuple[int, bool]] = []
+        self.ended: OrderedDict[int, None] = OrderedDict()
         self.closed = False
         self.store: Any = None
         self.address = ""
@@ -118,15 +129,35 @@ class DistKVTransfer:
                 list(block_ids), state, time.monotonic() + self.timeout_s
             )
 
+    def _ended(self, tid: int) -> None:
+        """Remember a transfer that was taken or expired (a pull of it fails at once); the
+        lock is held."""
+        self.ended[tid] = None
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
     def finished(self) -> list[tuple[int, bool]]:
         now = time.monotonic()
         with self.lock:
             for tid in [t for t, o in self.offers.items() if o.deadline < now]:
                 del self.offers[tid]
                 self.done.append((tid, False))
+                self._ended(tid)
                 logger.warning("KV transfer %d expired: no decode instance pulled it", tid)
             done, self.done = self.done, []
         return done
+
+    def _take(self, tid: int) -> _Offer | None:
+        """The offer, waited for while it may still come (the engine offers it with the step
+        after the hand-over; a fast decode instance may ask first)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self.lock:
+                offer = self.offers.pop(tid, None)
+                gone = tid in self.ended
+            if offer is not None or gone or time.monotonic() > deadline or self.closed:
+                return offer
+            time.sleep(0.002)
 
     def _accept(self) -> None:
         """Each decode instance that registers a pair: check its layout, then serve it."""
@@ -164,8 +195,7 @@ class DistKVTransfer:
             except Exception:  # the decode instance went away
                 return
             tid = int(header[0])
-            with self.lock:
-                offer = self.offers.pop(tid, None)
+            offer = self._take(tid)
             try:
                 if offer is None or len(offer.block_ids) != int(header[1]):
                     group.send([torch.zeros(3, dtype=torch.int64)], 1, 1).wait()
@@ -182,9 +212,11 @@ class DistKVTransfer:
                 if offer is not None:
                     with self.lock:
                         self.done.append((tid, False))
+                        self._ended(tid)
                 return
             with self.lock:
                 self.done.append((tid, True))
+                self._ended(tid)
 
     def _gather(self, block_ids: list[int]) -> Tensor:
         parts = []

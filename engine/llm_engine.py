@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +14,6 @@ from tandem.engine.cuda_graph import GraphKey, graph_mode
 from tandem.engine.detokenizer import Detokenizer
 from tandem.engine.executor import Executor, make_executor
 from tandem.engine.input_processor import ContextLengthExceededError, InputProcessor
-from tandem.engine.kv_transfer import DistKVTransfer
 from tandem.engine.outputs import CompletionOutput, EngineStats, RequestFailure, RequestOutput
 from tandem.engine.request import Request, RequestStatus, SpecStats, TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -30,7 +27,7 @@ from tandem.engine.speculative.adaptive import (
 from tandem.engine.speculative.ngram import NgramProposer, pad_drafts
 from tandem.engine.speculative.suffix import SuffixProposer, pad_tree
 from tandem.engine.speculative.tree import verified_nodes
-from tandem.engine.step import DPStepInput, RequestStep, StepInput, num_dummy_blocks
+from tandem.engine.step import DPStepInput, RequestStep, StepInput, StepOutput, num_dummy_blocks
 from tandem.engine.structured_output import (
     GrammarFailure,
     StepMasks,
@@ -45,13 +42,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "ContextLengthExceededError"]
 
 
+# While only transfers are in flight, the loop polls them this often.
+KV_POLL_S = 0.005
+
+
 @dataclass
 class _Pull:
     """A decode instance's pull in progress (``aborted``: free its blocks when it ends)."""
 
     request: Request
     rank: int
-    future: Future[bytes]
     aborted: bool = False
 
 
@@ -136,27 +136,24 @@ class LLMEngine:
         self.block_manager = self.block_managers[0]
         self.scheduler = self.schedulers[0]
         self.rank_of: dict[str, int] = {}  # request id → the DP rank that owns it
-        # Disaggregated serving (--role; engine/kv_transfer.py).
+        # Disaggregated serving (--role; engine/kv_transfer.py): the ranks move the KV; the
+        # engine says what to offer and pull (StepInput.kv_*) and hears what ended.
         kc = config.kv_transfer_config
-        self.kv_transfer: DistKVTransfer | None = None
+        self.kv_role = kc.role if kc is not None else "both"
+        if kc is not None and self.executor.window is not None:
+            raise ValueError(f"kv_role={kc.role!r}: sliding-window layers' KV is not moved yet")
+        worker = self.executor.worker
+        self.kv_addresses: list[str] = list(getattr(worker, "kv_addresses", []))
+        kv = getattr(worker, "kv", None)
+        self.kv_bytes_per_block = 0 if kv is None else kv.bytes_per_block * pc.tensor_parallel_size
         self.handovers: dict[int, tuple[Request, int]] = {}  # prefill: offers by transfer id
+        self.new_offers: list[tuple[str, int, list[int]]] = []  # for the next step
         self.next_transfer_id = 1
         self.pulls: dict[str, _Pull] = {}  # decode: pulls in progress by request id
+        self.new_pulls: list[tuple[str, list[str], int, list[int]]] = []  # for the next step
         self.waiting_pulls: list[Request] = []  # decode: waiting for blocks to pull into
-        if kc is not None:
-            if self.executor.window is not None:
-                raise ValueError(
-                    f"kv_role={kc.role!r}: sliding-window layers' KV is not transferred yet"
-                )
-            self.kv_transfer = DistKVTransfer(
-                self.executor.worker.runner.kv_caches,
-                kc.host,
-                kc.port,
-                kc.timeout_s,
-                serve=kc.role == "prefill",
-            )
-            if kc.role == "prefill":
-                logger.info("prefill instance: KV transfers served at %s", self.kv_transfer.address)
+        if self.kv_addresses:
+            logger.info("prefill instance: KV transfers served at %s", ", ".join(self.kv_addresses))
         self.last_rank_paths: list[tuple[bool, GraphKey | None]] = []
         self.eplb = EplbStats()  # expert load balancing, as the ranks last reported it
         self.spec_stats = SpecStats()
@@ -243,6 +240,8 @@ class LLMEngine:
         rid = request.request_id
         if rid in self.rank_of or rid in self.structured.pending:
             raise ValueError(f"request id {rid!r} is already in use")
+        if self._pulls_its_kv(request):
+            self._check_handover(request)
         if p.detokenize:
             self.detok[rid] = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop_strings)
         if p.structured is not None:
@@ -253,11 +252,14 @@ class LLMEngine:
             self._schedule_request(request)
         return request
 
+    def _pulls_its_kv(self, request: Request) -> bool:
+        kv = request.params.kv_transfer
+        return self.kv_role == "decode" and kv is not None and "transfer_id" in kv
+
     def _schedule_request(self, request: Request) -> None:
-        if self.kv_transfer is not None and request.params.kv_transfer is not None:
-            if request.params.kv_transfer.get("transfer_id") is not None:
-                self._start_pull(request)
-                return
+        if self._pulls_its_kv(request):
+            self._start_pull(request)
+            return
         rank = self._least_loaded_rank()
         self.schedulers[rank].add(request)
         self.rank_of[request.request_id] = rank
@@ -291,6 +293,9 @@ class LLMEngine:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if rid in self.pulls:  # its blocks are freed when the pull ends
                 self.pulls[rid].aborted = True
+                self.detok.pop(rid, None)
+                self.structured.forget(rid)
+                continue
             self.waiting_pulls = [r for r in self.waiting_pulls if r.request_id != rid]
             rank = self.rank_of.pop(rid, None)
             if rank is not None:
@@ -379,7 +384,8 @@ class LLMEngine:
             batch, k, decode, start = self.timed_step
             self.step_costs.record(batch, k, step_start - start, decode)
         self.timed_step = None
-        admitted = self._poll_transfers() if self.kv_transfer is not None else []
+        if self.waiting_pulls:
+            self._retry_waiting_pulls()
         if self.structured.pending:
             # Nothing else to run: wait a little for a grammar rather than spin.
             idle = not any(s.has_unfinished() for s in self.schedulers)
@@ -389,12 +395,16 @@ class LLMEngine:
         self.step_request_ids = [s.request.request_id for s in scheduled]
         masks = self._bitmasks(scheds) if self.structured.matchers else StepMasks({}, {})
         if not scheduled:
-            if self.new_grammars or any(sched.finished_request_ids for sched in scheds):
+            admitted: list[RequestOutput] = []
+            busy = self._kv_busy()
+            if self.new_grammars or busy or any(s.finished_request_ids for s in scheds):
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
                 self._send_grammars(empty)
-                self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
-            if not admitted and (self.pulls or self.handovers):
-                self._wait_transfers()
+                self._attach_kv(empty[0])
+                done = self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
+                admitted = self._kv_results(done)
+            if busy and not admitted:
+                time.sleep(KV_POLL_S)  # only transfers in flight: poll, do not spin
             return admitted
         # Speculation pauses while the step runs at least disable_by_batch_size requests (all
         # ranks), or drafts the schedule's K for this many: drafts cost more than they save
@@ -416,7 +426,9 @@ class LLMEngine:
         for inp in inputs:
             inp.num_draft_steps = k_step if 0 < k_step < self.num_spec_tokens else None
         self._send_grammars(inputs)
+        self._attach_kv(inputs[0])
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
+        admitted = self._kv_results(result)
         if self.step_costs is not None:
             decode = all(s.num_new_tokens == 1 + s.num_drafts for s in scheduled)
             self.timed_step = (len(scheduled), k_step, decode, step_start)
@@ -556,35 +568,66 @@ class LLMEngine:
 
     def _hands_over(self, request: Request) -> bool:
         kv = request.params.kv_transfer
-        return (
-            self.kv_transfer is not None
-            and kv is not None
-            and bool(kv.get("do_remote_decode"))
-            and self.kv_transfer.address != ""
-        )
+        return self.kv_role == "prefill" and kv is not None and bool(kv.get("do_remote_decode"))
+
+    def _kv_busy(self) -> bool:
+        return bool(self.handovers or self.pulls or self.new_offers or self.new_pulls)
+
+    def _attach_kv(self, inp: StepInput) -> None:
+        """What the ranks offer, pull and report on this step."""
+        if self.kv_role == "both":
+            return
+        inp.kv_offers, self.new_offers = self.new_offers, []
+        inp.kv_pulls, self.new_pulls = self.new_pulls, []
+        inp.kv_pending = list(self.handovers)
+        inp.kv_pulling = list(self.pulls)
+
+    def _kv_results(self, result: StepOutput) -> list[RequestOutput]:
+        """Free the blocks of offers every rank ended; admit (or fail) the requests whose pull
+        every rank ended: their first outputs."""
+        for tid in result.kv_released:
+            held = self.handovers.pop(tid, None)
+            if held is not None:
+                request, rank = held
+                self.block_managers[rank].free(request)
+        admitted = []
+        for rid, error in result.kv_pulled:
+            pull = self.pulls.pop(rid, None)
+            if pull is None:
+                continue
+            request = pull.request
+            if error is not None or pull.aborted:
+                self.block_managers[pull.rank].free(request)
+                self.schedulers[pull.rank].finished_ids.append(rid)  # ranks drop its state
+                self.rank_of.pop(rid, None)
+                if not pull.aborted:
+                    self._fail_remote(request, f"KV transfer failed: {error}")
+                continue
+            out = self._admit_pulled(request, pull.rank)
+            if out is not None:
+                admitted.append(out)
+        return admitted
 
     def _hand_over(self, request: Request) -> RequestOutput:
         """Prefill side, after the step that sampled the request's first token (and drafts):
-        hold its blocks and draft state for the decode instance; its output says where."""
+        its blocks and draft state are held for the decode instance (offered by the ranks with
+        the next step); its output says where."""
         rid = request.request_id
         rank = self.rank_of.pop(rid)
-        self.schedulers[rank].detach(request)  # the rank forgets it; its blocks stay held
-        assert self.kv_transfer is not None
+        self.schedulers[rank].detach(request)  # the ranks forget it after offering it
         tid = self.next_transfer_id
         self.next_transfer_id += 1
-        state = self.executor.worker.runner.handover_state(rid)
-        self.kv_transfer.offer(tid, request.block_ids, state)
+        self.new_offers.append((rid, tid, list(request.block_ids)))
         self.handovers[tid] = (request, rank)
-        first = request.output_token_ids[0]
         lp = request.logprobs[0] if request.logprobs else None
         params = {
-            "remote_address": self.kv_transfer.address,
+            "remote_addresses": self.kv_addresses,
             "transfer_id": tid,
             "num_blocks": len(request.block_ids),
-            "num_bytes": len(request.block_ids) * self.kv_transfer.bytes_per_block,
+            "num_bytes": len(request.block_ids) * self.kv_bytes_per_block,
             "num_prompt_tokens": request.num_prompt_tokens,
             "num_cached_tokens": request.num_cached_tokens,
-            "first_token": first,
+            "first_token": request.output_token_ids[0],
             "first_logprob": None if lp is None else dataclasses.asdict(lp),
             "drafts": list(request.spec_token_ids),
             "draft_parents": list(request.spec_parents),
@@ -601,78 +644,61 @@ class LLMEngine:
         out.kv_transfer_params = params
         return out
 
-    def _start_pull(self, request: Request) -> None:
-        """Decode side: blocks for the prompt's KV, then the pull into them (or a wait for
-        blocks, retried every step)."""
-        rank = self._least_loaded_rank()
-        bm = self.block_managers[rank]
+    def _check_handover(self, request: Request) -> None:
+        """A decode instance's request: its hand-over must fit this instance (ValueError)."""
         kv = request.params.kv_transfer
-        assert kv is not None and self.kv_transfer is not None
-        if int(kv["num_prompt_tokens"]) != request.num_prompt_tokens:
-            self._fail_remote(
-                request,
-                f"kv_transfer_params: the prefill instance had {kv['num_prompt_tokens']} prompt "
-                f"tokens, this request {request.num_prompt_tokens}",
+        assert kv is not None
+        addresses = kv.get("remote_addresses")
+        ranks = self.config.parallel_config.tensor_parallel_size
+        if int(kv.get("num_prompt_tokens", -1)) != request.num_prompt_tokens:
+            raise ValueError(
+                f"kv_transfer_params: the prefill instance had {kv.get('num_prompt_tokens')} "
+                f"prompt tokens, this request {request.num_prompt_tokens}"
             )
-            return
+        if not isinstance(addresses, list) or len(addresses) != ranks:
+            n = len(addresses) if isinstance(addresses, list) else "no"
+            raise ValueError(
+                f"kv_transfer_params: the prefill instance has {n} rank address(es), this decode "
+                f"instance {ranks} rank(s): both sides need the same tensor-parallel size"
+            )
+
+    def _start_pull(self, request: Request) -> None:
+        """Decode side: as many blocks as the prefill instance held, then the pull into them
+        (with the next step), or a wait for blocks (retried every step)."""
+        kv = request.params.kv_transfer
+        assert kv is not None
+        rid = request.request_id
+        addresses = kv["remote_addresses"]
         if request not in self.waiting_pulls:
             self.prompt_tokens_total += request.num_prompt_tokens
-        # As many blocks as the prefill instance held (its draft loop's look-ahead included).
+        rank = self._least_loaded_rank()
+        bm = self.block_managers[rank]
         if not bm.allocate(request, int(kv["num_blocks"]) * bm.block_size):
             if request not in self.waiting_pulls:
                 self.waiting_pulls.append(request)
             return
-        self.rank_of[request.request_id] = rank
-        future = self.kv_transfer.pull(
-            str(kv["remote_address"]), int(kv["transfer_id"]), request.block_ids
-        )
-        self.pulls[request.request_id] = _Pull(request, rank, future)
+        self.rank_of[rid] = rank
+        blocks = list(request.block_ids)
+        self.new_pulls.append((rid, [str(a) for a in addresses], int(kv["transfer_id"]), blocks))
+        self.pulls[rid] = _Pull(request, rank)
 
-    def _fail_remote(self, request: Request, message: str) -> None:
-        self.detok.pop(request.request_id, None)
-        self.structured.forget(request.request_id)
-        self.failed.append(RequestFailure(request.request_id, message, None))
-
-    def _poll_transfers(self) -> list[RequestOutput]:
-        """Prefill side: free the blocks of offers taken or expired. Decode side: admit the
-        requests whose pull completed (their first output), retry those waiting for blocks."""
-        assert self.kv_transfer is not None
-        for tid, _sent in self.kv_transfer.finished():
-            held = self.handovers.pop(tid, None)
-            if held is not None:
-                request, rank = held
-                self.block_managers[rank].free(request)
+    def _retry_waiting_pulls(self) -> None:
         waiting, self.waiting_pulls = self.waiting_pulls, []
         for request in waiting:
             self.waiting_pulls.append(request)
             self._start_pull(request)
             if request.request_id in self.pulls:
                 self.waiting_pulls.remove(request)
-        admitted = []
-        for rid, pull in list(self.pulls.items()):
-            if not pull.future.done():
-                continue
-            del self.pulls[rid]
-            request = pull.request
-            try:
-                state = pull.future.result()
-            except Exception as e:
-                self.block_managers[pull.rank].free(request)
-                if not pull.aborted:
-                    self.rank_of.pop(rid, None)
-                    self._fail_remote(request, f"KV transfer failed: {e}")
-                continue
-            if pull.aborted:
-                self.block_managers[pull.rank].free(request)
-                continue
-            out = self._admit_pulled(request, pull.rank, state)
-            if out is not None:
-                admitted.append(out)
-        return admitted
 
-    def _admit_pulled(self, request: Request, rank: int, state: bytes) -> RequestOutput | None:
-        """Decode side: the request as its prefill instance left it: prompt KV computed, first
-        token sampled, drafts proposed; the checks of a first token run here."""
+    def _fail_remote(self, request: Request, message: str) -> None:
+        self.detok.pop(request.request_id, None)
+        self.structured.forget(request.request_id)
+        self.failed.append(RequestFailure(request.request_id, message, None))
+
+    def _admit_pulled(self, request: Request, rank: int) -> RequestOutput | None:
+        """Decode side: the request as its prefill instance left it (prompt KV computed, first
+        token sampled, drafts proposed; the ranks adopted its draft state); the checks of a
+        first token run here."""
         rid = request.request_id
         kv = request.params.kv_transfer
         assert kv is not None
@@ -684,7 +710,6 @@ class LLMEngine:
         self.generation_tokens_total += 1
         if request.params.logprobs is not None and kv.get("first_logprob") is not None:
             request.logprobs.append(TokenLogprobs(**kv["first_logprob"]))
-        self.executor.worker.runner.adopt_state(rid, state)
         scheduler = self.schedulers[rank]
         scheduler.adopt(request)
         request.first_scheduled_time = request.first_token_time = now
@@ -705,14 +730,6 @@ class LLMEngine:
         request.spec_parents = [int(t) for t in kv.get("draft_parents", [])]
         request.spec_max_depth = int(kv.get("draft_max_depth", 0))
         return self._make_output(request)
-
-    def _wait_transfers(self) -> None:
-        """Nothing to run but transfers: wait a little for one instead of spinning."""
-        futures = [p.future for p in self.pulls.values()]
-        if futures:
-            concurrent.futures.wait(futures, timeout=0.01, return_when="FIRST_COMPLETED")
-        else:
-            time.sleep(0.01)
 
     def draft_len(self, batch_size: int) -> int:
         """Drafts a step of ``batch_size`` requests (every rank's) proposes: 0 past

@@ -74,6 +74,13 @@ class StepInput:
     # Masked drafting: the grammars of constrained requests that arrived since the last step,
     # for the ranks to compile off the step (the engine schedules them once it compiled its own).
     grammars: list[StructuredSpec] = field(default_factory=list)
+    # Disaggregated serving (engine/kv_transfer.py), on every rank: hand-overs to offer
+    # (request id, transfer id, blocks), pulls to start (request id, the prefill instance's
+    # rank addresses, transfer id, blocks), and the offers and pulls the engine waits on.
+    kv_offers: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    kv_pulls: list[tuple[str, list[str], int, list[int]]] = field(default_factory=list)
+    kv_pending: list[int] = field(default_factory=list)
+    kv_pulling: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -90,6 +97,10 @@ class StepOutput:
     # (advanced) and the step's graph key (None: eager).
     rank_paths: list[tuple[bool, GraphKey | None]] = field(default_factory=list)
     eplb: EplbStats | None = None  # expert load balancing so far (every rank has the same)
+    # Disaggregated serving: offers every rank has ended (their blocks may be freed), and pulls
+    # every rank has ended (request id, None or the error).
+    kv_released: list[int] = field(default_factory=list)
+    kv_pulled: list[tuple[str, str | None]] = field(default_factory=list)
 
 
 @dataclass

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
+from tandem.engine.kv_transfer import DistKVTransfer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
@@ -345,6 +348,7 @@ class Worker:
                 mc.max_model_len,
             )
         self.runner.allocate_kv_cache(self.num_blocks, kv_dtype, self.window_num_blocks)
+        self._start_kv_transfer(config)
         if mode is not None:  # capture every graph key now (reads the reserved dummy blocks)
             sizes = graph_batch_sizes(
                 config.scheduler_config.max_num_seqs, gc.cuda_graph_batch_sizes
@@ -374,7 +378,81 @@ class Worker:
         if isinstance(step, DPStepInput):
             out = self.runner.execute_dp(step)
         else:
+            if self.kv is not None:  # offers first: the step makes the ranks forget them
+                self._kv_start(step)
             out = self.runner.execute_plain(step)
+            if self.kv is not None:
+                self._kv_progress(step, out)
         if self.eplb is not None:  # between steps, on every rank alike
             out.eplb = self.eplb.step()
         return out
+
+    # ---------------------------------------------------------------- disaggregation
+
+    def _start_kv_transfer(self, config: EngineConfig) -> None:
+        """This rank's end of disaggregated serving: a prefill rank serves its KV at the
+        configured host (port + rank, or a free port), a decode rank pulls from its peer."""
+        kc = config.kv_transfer_config
+        self.kv: DistKVTransfer | None = None
+        self.kv_addresses: list[str] = []
+        self.kv_done: dict[int, bool] = {}
+        self.kv_futures: dict[str, Future[bytes]] = {}
+        self.kv_pulled: dict[str, str | None] = {}
+        if kc is None:
+            return
+        rank, size = self.mapping.tp_rank, self.mapping.tp_size
+        self.kv = DistKVTransfer(
+            self.runner.kv_caches,
+            kc.host,
+            kc.port + rank if kc.port else 0,
+            kc.timeout_s,
+            serve=kc.role == "prefill",
+        )
+        if kc.role == "prefill":  # every rank's address, in rank order
+            ports = torch.zeros(size, dtype=torch.int64, device=self.config.device)
+            ports[rank] = int(self.kv.address.rpartition(":")[2])
+            if size > 1:
+                dist.all_reduce(ports, group=self.mapping.group)
+            self.kv_addresses = [f"{kc.host}:{p}" for p in ports.tolist()]
+
+    def _kv_start(self, step: StepInput) -> None:
+        assert self.kv is not None
+        for rid, tid, blocks in step.kv_offers:
+            self.kv.offer(tid, blocks, self.runner.handover_state(rid))
+        for rid, addresses, tid, blocks in step.kv_pulls:
+            self.kv_futures[rid] = self.kv.pull(addresses[self.mapping.tp_rank], tid, blocks)
+
+    def _kv_progress(self, step: StepInput, out: StepOutput) -> None:
+        """What this rank finished, then (one collective when the engine waits on some) what
+        every rank finished: only those go back to the engine."""
+        assert self.kv is not None
+        for tid, sent in self.kv.finished():
+            self.kv_done[tid] = sent
+        for rid, future in list(self.kv_futures.items()):
+            if future.done():
+                del self.kv_futures[rid]
+                try:
+                    self.runner.adopt_state(rid, future.result())
+                    self.kv_pulled[rid] = None
+                except Exception as e:
+                    self.kv_pulled[rid] = str(e)
+        pending, pulling = step.kv_pending, step.kv_pulling
+        if not pending and not pulling:
+            return
+        flags = [t in self.kv_done for t in pending] + [r in self.kv_pulled for r in pulling]
+        flags += [r in self.kv_pulled and self.kv_pulled[r] is None for r in pulling]
+        both = torch.tensor(flags, dtype=torch.int64, device=self.config.device)
+        if self.mapping.tp_size > 1:
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.mapping.group)
+        every = both.tolist()
+        n = len(pending)
+        for tid, ended in zip(pending, every[:n], strict=True):
+            if ended:
+                self.kv_done.pop(tid, None)
+                out.kv_released.append(tid)
+        ended_pulls = every[n : n + len(pulling)]
+        pulled_ok = every[n + len(pulling) :]
+        for rid, ended, ok in zip(pulling, ended_pulls, pulled_ok, strict=True):
+            if ended:
+                error = self.kv_pulled.pop(rid)
+                out.kv_pulled.append((rid, None if ok else error or "another rank's pull failed"))

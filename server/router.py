@@ -129,11 +129,14 @@ def _error(status: int, message: str, kind: str = "server_error") -> JSONRespons
 async def _post(state: RouterState, inst: Instance, path: str, body: dict[str, Any],
                 headers: dict[str, str]) -> httpx.Response:  # fmt: skip
     assert state.client is not None
+    inst.in_flight += 1
     try:
         return await state.client.post(inst.url + path, json=body, headers=headers)
     except httpx.TransportError as e:
         inst.dead = f"{type(e).__name__}: {e}"
         raise _Retry(inst, f"{inst.role} instance {inst.url}: {e}") from e
+    finally:
+        inst.in_flight -= 1
 
 
 async def _route(state: RouterState, request: Request, path: str) -> Response:
@@ -165,11 +168,7 @@ async def _through_pair(state: RouterState, prefill: Instance, decode: Instance,
     first = {k: v for k, v in body.items() if k != "stream_options"}
     first.update(stream=False, kv_transfer_params={"do_remote_decode": True})
     started = time.monotonic()
-    prefill.in_flight += 1
-    try:
-        answer = await _post(state, prefill, path, first, headers)
-    finally:
-        prefill.in_flight -= 1
+    answer = await _post(state, prefill, path, first, headers)
     if answer.status_code >= 500:
         raise _Retry(prefill, f"prefill instance {prefill.url}: {answer.status_code}")
     if answer.status_code != 200:  # the client's request is at fault: as the instance said
@@ -183,11 +182,7 @@ async def _through_pair(state: RouterState, prefill: Instance, decode: Instance,
     second = {**body, "kv_transfer_params": kv}
     if body.get("stream"):
         return await _stream(state, decode, path, second, headers)
-    decode.in_flight += 1
-    try:
-        reply = await _post(state, decode, path, second, headers)
-    finally:
-        decode.in_flight -= 1
+    reply = await _post(state, decode, path, second, headers)
     if reply.status_code >= 500:
         raise _Retry(decode, f"decode instance {decode.url}: {reply.status_code} {reply.text}")
     state.requests.labels("ok" if reply.status_code == 200 else "refused").inc()
@@ -309,5 +304,8 @@ def run_router(ns: argparse.Namespace) -> int:
     app = build_router(ns.prefill, ns.decode, ns.timeout)
     logger.info("router on http://%s:%d: prefill %s, decode %s", ns.host, ns.port,
                 ", ".join(ns.prefill), ", ".join(ns.decode))  # fmt: skip
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
+    # In-flight requests get 5 s at shutdown, then are cut (their instances end them).
+    uvicorn.run(
+        app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=5
+    )
     return 0

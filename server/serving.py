@@ -142,7 +142,7 @@ def check_request_size(req: SamplingFields, settings: Any) -> None:
 
 # What a decode instance's kv_transfer_params must hold (a prefill instance's answer).
 _HANDOVER_KEYS = {
-    "remote_address": str,
+    "remote_addresses": list,
     "transfer_id": int,
     "num_blocks": int,
     "num_prompt_tokens": int,

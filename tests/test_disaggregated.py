@@ -88,6 +88,7 @@ def _disaggregated(
         handed = _finish(prefill, rid)
         kv = handed.kv_transfer_params
         assert kv is not None and len(handed.outputs[0].token_ids) == 1
+        prefill.step()  # the ranks offer it with the step after the hand-over
         d = dataclasses.replace(params, kv_transfer=kv)
         decode.add_request(rid, decode.make_request(rid, prompt, d))
         outs.append(_finish(decode, rid))
@@ -201,6 +202,7 @@ def test_transfers_that_cannot_complete_free_their_blocks(llama: tuple[Path, Pat
         p = dataclasses.replace(GREEDY, kv_transfer={"do_remote_decode": True})
         prefill.add_request("x", prefill.make_request("x", PROMPTS[0], p))
         kv = _finish(prefill, "x").kv_transfer_params
+        prefill.step()
         assert kv is not None and prefill.get_stats().num_used_kv_blocks > 0
         _drain(prefill)
         assert prefill.get_stats().num_used_kv_blocks == 0
@@ -210,7 +212,7 @@ def test_transfers_that_cannot_complete_free_their_blocks(llama: tuple[Path, Pat
         failed = _failures(decode)
         assert "no longer holds transfer" in failed[0].message
         # Nothing listens there.
-        dead = {**kv, "remote_address": "127.0.0.1:9"}
+        dead = {**kv, "remote_addresses": ["127.0.0.1:9"]}
         decode.add_request(
             "y", decode.make_request("y", PROMPTS[0], dataclasses.replace(d, kv_transfer=dead))
         )
@@ -241,6 +243,7 @@ def test_a_decode_instance_with_another_kv_layout_is_refused(llama: tuple[Path, 
         p = dataclasses.replace(GREEDY, kv_transfer={"do_remote_decode": True})
         prefill.add_request("x", prefill.make_request("x", PROMPTS[0], p))
         kv = _finish(prefill, "x").kv_transfer_params
+        prefill.step()
         d = dataclasses.replace(GREEDY, kv_transfer=kv)
         decode.add_request("x", decode.make_request("x", PROMPTS[0], d))
         message = _failures(decode)[0].message
@@ -252,7 +255,7 @@ def test_a_decode_instance_with_another_kv_layout_is_refused(llama: tuple[Path, 
 
 
 def test_roles_are_refused_where_the_kv_would_not_move() -> None:
-    with pytest.raises(ValueError, match="kv_role='decode' runs on one rank"):
-        EngineArgs(model=".", kv_role="decode", tensor_parallel_size=2)._kv_transfer_config()
+    with pytest.raises(ValueError, match="kv_role='decode' runs under tensor parallelism"):
+        EngineArgs(model=".", kv_role="decode", data_parallel_size=2)._kv_transfer_config()
     with pytest.raises(ValueError, match="kv_role='middle' is invalid"):
         EngineArgs(model=".", kv_role="middle")._kv_transfer_config()

@@ -46,21 +46,45 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     try:
         for s in (both, prefill, decode):
             s.wait_ready()
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "router", "--port", str(port),
-             "--prefill", prefill.base_url, "--decode", decode.base_url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url)
-        yield {"both": both, "prefill": prefill, "decode": decode, "router": url}
+        router, url = _start_router(prefill, decode)
+        yield {
+            "both": both,
+            "prefill": prefill,
+            "decode": decode,
+            "router": url,
+            "target": target,
+            "spec": spec,
+        }
     finally:
-        if router is not None:
-            router.terminate()
-            router.wait(timeout=20)
+        _stop_router(router)
         for s in (both, prefill, decode):
             s.stop()
+
+
+def _start_router(prefill: RemoteServer, decode: RemoteServer) -> tuple[Any, str]:
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "router", "--port", str(port),
+         "--prefill", prefill.base_url, "--decode", decode.base_url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+    except BaseException:
+        _stop_router(router)
+        raise
+    return router, url
+
+
+def _stop_router(router: Any) -> None:
+    if router is not None:
+        router.terminate()
+        try:
+            router.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait(timeout=10)
 
 
 def _wait_healthy(url: str) -> None:
@@ -128,6 +152,39 @@ def test_streamed_chat_and_seeded_sampling_equal_one_instance(servers: dict[str,
         assert got[0] == want[0]
 
 
+@pytest.mark.timeout(300)
+def test_two_ranks_on_both_sides(servers: dict[str, Any]) -> None:
+    """-tp 2 prefill and decode instances: each rank moves its own KV shard (2 of 4 heads, 1 of
+    2 KV heads) and draft state to the rank of its index; a one-rank decode instance is refused
+    naming both sizes."""
+    args = [*servers["spec"], "-tp", "2"]
+    prefill = RemoteServer(servers["target"], [*args, "--role", "prefill"])
+    decode = RemoteServer(servers["target"], [*args, "--role", "decode"])
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router, url = _start_router(prefill, decode)
+        for prompt in PROMPTS:
+            want = _completion(servers["both"].base_url, prompt, temperature=0)
+            got = _completion(url, prompt, temperature=0)
+            assert got[0] == want[0]
+            assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+            assert got[2] == want[2]
+        for s in (prefill, decode):
+            _assert_blocks_freed(s)
+        # The one-rank decode instance of the module against this two-rank prefill instance.
+        _stop_router(router)
+        router, url = _start_router(prefill, servers["decode"])
+        with pytest.raises(openai.APIStatusError) as e:
+            _completion(url, PROMPTS[0], temperature=0)
+        assert "2 rank address(es), this decode instance 1" in str(e.value)
+    finally:
+        _stop_router(router)
+        prefill.stop()
+        decode.stop()
+
+
 def test_a_request_the_prefill_instance_refuses_is_the_clients_400(
     servers: dict[str, Any],
 ) -> None:
@@ -149,11 +206,16 @@ def test_a_dead_decode_instance_is_a_503_and_the_prefill_side_frees_its_blocks(
     health = httpx.get(servers["router"] + "/health", timeout=30)
     assert health.status_code == 503
     assert decode.base_url in health.json()["dead"]
-    end = time.monotonic() + 30  # the hand-over expires after --kv-transfer-timeout 3
+    _assert_blocks_freed(prefill)  # the hand-over expires after --kv-transfer-timeout 3
+
+
+def _assert_blocks_freed(server: RemoteServer) -> None:
+    """Within 30 s (the engine's stats reach /metrics with its next message)."""
+    end = time.monotonic() + 30
     used = None
     while time.monotonic() < end:
-        used = metric(scrape_metrics(prefill), "tandem:kv_cache_used_blocks")
+        used = metric(scrape_metrics(server), "tandem:kv_cache_used_blocks")
         if used == 0:
-            break
+            return
         time.sleep(0.5)
-    assert used == 0
+    raise AssertionError(f"{used} KV blocks still in use")
