@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["DistKVTransfer", "KVTransfer", "TransferError", "cache_layout"]
 
 ENDED_KEPT = 65536  # transfers remembered as taken or expired
+# A pair's collectives may wait this long: a gloo timeout closes the pair, and a pair idles
+# between pulls; transfers have deadlines of their own (``timeout_s``).
+PAIR_TIMEOUT = datetime.timedelta(days=7)
+
+
+@dataclass
+class Pull:
+    """A pull in progress: its future (the state blob) and its deadline."""
+
+    address: str
+    deadline: float
+    future: Future[bytes] | None = None
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class TransferError(RuntimeError):
@@ -65,8 +79,12 @@ class KVTransfer(Protocol):
         their blocks may be freed."""
         ...
 
-    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Future[bytes]:
+    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Pull:
         """Decode side: copy the offer into ``block_ids``; the future's result is the state."""
+        ...
+
+    def abandon(self, handle: Pull) -> None:
+        """Decode side: give up on a pull past its deadline (its blocks are never written)."""
         ...
 
     def close(self) -> None: ...
@@ -187,7 +205,7 @@ class DistKVTransfer:
             )
             return
         store.set("verdict", "ok")
-        group = dist.ProcessGroupGloo(store, 0, 2, self.timeout)
+        group = dist.ProcessGroupGloo(store, 0, 2, PAIR_TIMEOUT)
         header = torch.zeros(2, dtype=torch.int64)
         while not self.closed:
             try:
@@ -196,27 +214,29 @@ class DistKVTransfer:
                 return
             tid = int(header[0])
             offer = self._take(tid)
+            sent = False
             try:
                 if offer is None or len(offer.block_ids) != int(header[1]):
                     group.send([torch.zeros(3, dtype=torch.int64)], 1, 1).wait()
                     continue
                 data = self._gather(offer.block_ids)
+                with self.lock:  # copied out: the blocks may be freed and reused now
+                    self.done.append((tid, True))
+                    self._ended(tid)
+                    sent = True
                 state = torch.tensor(list(offer.state), dtype=torch.uint8)
                 status = torch.tensor([1, data.numel(), state.numel()], dtype=torch.int64)
                 group.send([status], 1, 1).wait()
                 group.send([data], 1, 2).wait()
                 if state.numel():
                     group.send([state], 1, 3).wait()
-            except Exception as e:
+            except Exception as e:  # the decode instance went away: its pull fails there
                 logger.warning("KV transfer %d failed: %s", tid, e)
-                if offer is not None:
+                if offer is not None and not sent:
                     with self.lock:
                         self.done.append((tid, False))
                         self._ended(tid)
                 return
-            with self.lock:
-                self.done.append((tid, True))
-                self._ended(tid)
 
     def _gather(self, block_ids: list[int]) -> Tensor:
         parts = []
@@ -227,13 +247,26 @@ class DistKVTransfer:
 
     # ------------------------------------------------------------ decode side
 
-    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Future[bytes]:
+    def pull(self, address: str, transfer_id: int, block_ids: list[int]) -> Pull:
         with self.lock:
             pair = self.pairs.get(address)
             if pair is None:
                 pool = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
                 pair = self.pairs[address] = (None, pool)
-        return pair[1].submit(self._pull, address, transfer_id, list(block_ids))
+        handle = Pull(address, time.monotonic() + self.timeout_s)
+        handle.future = pair[1].submit(self._pull, handle, transfer_id, list(block_ids))
+        return handle
+
+    def abandon(self, handle: Pull) -> None:
+        """A pull past its deadline: its blocks are never written (the caller frees them), and
+        the pair is dropped (its thread may be stuck on a peer that stopped answering); the next
+        pull from that address pairs again."""
+        with handle.lock:
+            handle.abandoned = True
+        with self.lock:
+            old = self.pairs.pop(handle.address, None)
+        if old is not None:
+            old[1].shutdown(wait=False, cancel_futures=True)
 
     def _group(self, address: str) -> Any:
         group = self.pairs[address][0]
@@ -250,15 +283,19 @@ class DistKVTransfer:
         verdict = pair_store.get("verdict").decode()
         if verdict != "ok":
             raise TransferError(verdict)
-        group = dist.ProcessGroupGloo(pair_store, 1, 2, self.timeout)
-        self.pairs[address] = (group, self.pairs[address][1])
+        group = dist.ProcessGroupGloo(pair_store, 1, 2, PAIR_TIMEOUT)
+        with self.lock:
+            if address in self.pairs:
+                self.pairs[address] = (group, self.pairs[address][1])
         return group
 
     def _forget(self, address: str) -> None:
-        pool = self.pairs[address][1]
-        self.pairs[address] = (None, pool)
+        with self.lock:
+            if address in self.pairs:
+                self.pairs[address] = (None, self.pairs[address][1])
 
-    def _pull(self, address: str, transfer_id: int, block_ids: list[int]) -> bytes:
+    def _pull(self, handle: Pull, transfer_id: int, block_ids: list[int]) -> bytes:
+        address = handle.address
         group = self._group(address)
         try:
             header = torch.tensor([transfer_id, len(block_ids)], dtype=torch.int64)
@@ -280,7 +317,10 @@ class DistKVTransfer:
         except Exception as e:  # the pair is broken: a later pull pairs again
             self._forget(address)
             raise TransferError(f"KV transfer from {address} failed: {e}") from e
-        self._scatter(block_ids, data)
+        with handle.lock:  # never into blocks the engine freed after giving up on it
+            if handle.abandoned:
+                raise TransferError("abandoned")
+            self._scatter(block_ids, data)
         return bytes(state.numpy())
 
     def _scatter(self, block_ids: list[int], data: Tensor) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
-from tandem.engine.kv_transfer import DistKVTransfer
+from tandem.engine.kv_transfer import DistKVTransfer, Pull
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
@@ -396,7 +396,7 @@ class Worker:
         self.kv: DistKVTransfer | None = None
         self.kv_addresses: list[str] = []
         self.kv_done: dict[int, bool] = {}
-        self.kv_futures: dict[str, Future[bytes]] = {}
+        self.kv_futures: dict[str, Pull] = {}
         self.kv_pulled: dict[str, str | None] = {}
         if kc is None:
             return
@@ -428,14 +428,20 @@ class Worker:
         assert self.kv is not None
         for tid, sent in self.kv.finished():
             self.kv_done[tid] = sent
-        for rid, future in list(self.kv_futures.items()):
-            if future.done():
+        now = time.monotonic()
+        for rid, handle in list(self.kv_futures.items()):
+            assert handle.future is not None
+            if handle.future.done():
                 del self.kv_futures[rid]
                 try:
-                    self.runner.adopt_state(rid, future.result())
+                    self.runner.adopt_state(rid, handle.future.result())
                     self.kv_pulled[rid] = None
                 except Exception as e:
                     self.kv_pulled[rid] = str(e)
+            elif now > handle.deadline:  # the prefill instance stopped answering
+                del self.kv_futures[rid]
+                self.kv.abandon(handle)
+                self.kv_pulled[rid] = f"no answer from {handle.address} within the timeout"
         pending, pulling = step.kv_pending, step.kv_pulling
         if not pending and not pulling:
             return
