@@ -58,7 +58,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_deepseek_mtp_target(tmp_path_factory.mktemp("pd_dsv3") / "t")
+    return build_deepseek_mtp_target(tmp_path_factory.mktemp("pd_dsv3") / "t", 2)
 
 
 def _engine(model: Path, spec: dict[str, Any] | None, role: str, **kw: Any) -> LLMEngine:
@@ -162,8 +162,17 @@ def test_llama_handed_over_equals_colocated(llama: tuple[Path, Path], spec: Any)
         decode.shutdown()
 
 
-def test_deepseek_mtp_handed_over_equals_colocated(deepseek: Path) -> None:
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "mtp", "num_speculative_tokens": 3},
+        {"method": "mtp", "num_speculative_tokens": 2, "mtp_mode": "vanilla"},
+    ],
+    ids=["eagle", "vanilla"],
+)
+def test_deepseek_mtp_handed_over_equals_colocated(deepseek: Path, spec: dict[str, Any]) -> None:
+    """Eagle mode (the first MTP layer, K times) and vanilla (one layer per depth, whose KV of
+    the last prompt positions waits for later tokens)."""
     want = _colocated(deepseek, spec, GREEDY)
     prefill, decode = _engine(deepseek, spec, "prefill"), _engine(deepseek, spec, "decode")
     try:
@@ -215,6 +224,12 @@ def test_transfers_that_cannot_complete_free_their_blocks(llama: tuple[Path, Pat
         decode.add_request("x", decode.make_request("x", PROMPTS[0], d))
         failed = _failures(decode)
         assert "no longer holds transfer" in failed[0].message
+        # A prefill instance of two ranks for this one-rank decode instance: refused at once.
+        two = {**kv, "remote_addresses": kv["remote_addresses"] * 2}
+        with pytest.raises(ValueError, match="2 rank address.*this decode instance 1 rank"):
+            decode.add_request(
+                "z", decode.make_request("z", PROMPTS[0], dataclasses.replace(d, kv_transfer=two))
+            )
         # Nothing listens there.
         dead = {**kv, "remote_addresses": ["127.0.0.1:9"]}
         decode.add_request(

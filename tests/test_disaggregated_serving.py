@@ -1,6 +1,7 @@
 """Disaggregated serving over HTTP: `tandem router` in front of a `--role prefill` and a
-`--role decode` instance (a Llama target with an Eagle3 head, K = 3), against one `--role both`
-instance, through the official `openai` client:
+`--role decode` instance, both `-tp 2` (each rank moves its own KV shard, 2 of 4 heads and 1 of
+2 KV heads, and draft state to the rank of its index), a Llama target with an Eagle3 head
+(K = 3), against one `--role both` instance on one rank, through the official `openai` client:
 
 - greedy completions and chat completions, streamed and not: the same text, log-probs and
   speculative counts (drafts verified and accepted) per request as the instance doing both;
@@ -40,8 +41,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     spec = ["--speculative-config", f'{{"method": "eagle3", "model": "{draft}", '
             '"num_speculative_tokens": 3}']  # fmt: skip
     both = RemoteServer(target, spec)
-    prefill = RemoteServer(target, [*spec, "--role", "prefill", "--kv-transfer-timeout", "3"])
-    decode = RemoteServer(target, [*spec, "--role", "decode"])
+    tp2 = [*spec, "-tp", "2"]
+    prefill = RemoteServer(target, [*tp2, "--role", "prefill", "--kv-transfer-timeout", "3"])
+    decode = RemoteServer(target, [*tp2, "--role", "decode"])
     router: subprocess.Popen[bytes] | None = None
     try:
         for s in (both, prefill, decode):
@@ -117,9 +119,11 @@ def test_completions_through_the_router_equal_one_instance(servers: dict[str, An
         want = _completion(servers["both"].base_url, prompt, temperature=0)
         got = _completion(servers["router"], prompt, temperature=0)
         assert got[0] == want[0]
-        assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
         assert got[2] == want[2]  # drafts verified and accepted, step for step
         accepted += want[2]["num_accepted_tokens"]
+    for s in (servers["prefill"], servers["decode"]):
+        _assert_blocks_freed(s)
     assert accepted > 0
     samples = scrape_metrics(_At(servers["router"]))  # type: ignore[arg-type]
     assert metric(samples, "tandem_router_handover_bytes_total") > 0
@@ -150,39 +154,6 @@ def test_streamed_chat_and_seeded_sampling_equal_one_instance(servers: dict[str,
         want = _completion(servers["both"].base_url, PROMPTS[0], temperature=0.8, seed=seed)
         got = _completion(servers["router"], PROMPTS[0], temperature=0.8, seed=seed)
         assert got[0] == want[0]
-
-
-@pytest.mark.timeout(300)
-def test_two_ranks_on_both_sides(servers: dict[str, Any]) -> None:
-    """-tp 2 prefill and decode instances: each rank moves its own KV shard (2 of 4 heads, 1 of
-    2 KV heads) and draft state to the rank of its index; a one-rank decode instance is refused
-    naming both sizes."""
-    args = [*servers["spec"], "-tp", "2"]
-    prefill = RemoteServer(servers["target"], [*args, "--role", "prefill"])
-    decode = RemoteServer(servers["target"], [*args, "--role", "decode"])
-    router = None
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router, url = _start_router(prefill, decode)
-        for prompt in PROMPTS:
-            want = _completion(servers["both"].base_url, prompt, temperature=0)
-            got = _completion(url, prompt, temperature=0)
-            assert got[0] == want[0]
-            assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
-            assert got[2] == want[2]
-        for s in (prefill, decode):
-            _assert_blocks_freed(s)
-        # The one-rank decode instance of the module against this two-rank prefill instance.
-        _stop_router(router)
-        router, url = _start_router(prefill, servers["decode"])
-        with pytest.raises(openai.APIStatusError) as e:
-            _completion(url, PROMPTS[0], temperature=0)
-        assert "2 rank address(es), this decode instance 1" in str(e.value)
-    finally:
-        _stop_router(router)
-        prefill.stop()
-        decode.stop()
 
 
 def test_a_request_the_prefill_instance_refuses_is_the_clients_400(
