@@ -17,7 +17,7 @@ its transfer address, each decode instance that pulls from it registers a pair t
 layout first: a mismatch is refused naming both), and the two build a 2-rank process group of
 their own. Per pair the prefill side serves one pull at a time on a thread: the decode side
 sends (transfer id, block count), the prefill side answers (found, data bytes, state bytes) and
-the bytes. Another transport (NIXL, Mooncake) implements the same four methods.
+the bytes. Another transport (NIXL, Mooncake) implements the same five methods.
 """
 
 from __future__ import annotations

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "ContextLengthExceededError"]
 
 
-# While only transfers are in flight, the loop polls them this often.
+# While only transfers are in flight, the loop polls pulls this often, and held offers (whose
+# only news is that their blocks may be freed) this often.
 KV_POLL_S = 0.005
+KV_RELEASE_POLL_S = 0.05
 
 
 @dataclass
@@ -403,8 +405,9 @@ class LLMEngine:
                 self._attach_kv(empty[0])
                 done = self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
                 admitted = self._kv_results(done)
-            if busy and not admitted:
-                time.sleep(KV_POLL_S)  # only transfers in flight: poll, do not spin
+            if busy and not admitted:  # only transfers in flight: poll, do not spin
+                # A pull's admission is a request's first token; held offers only free blocks.
+                time.sleep(KV_POLL_S if self.pulls else KV_RELEASE_POLL_S)
             return admitted
         # Speculation pauses while the step runs at least disable_by_batch_size requests (all
         # ranks), or drafts the schedule's K for this many: drafts cost more than they save

@@ -9,10 +9,10 @@ decode instance pulls the KV and answers the client through the router, first to
 
 Choice: the prefill instance that last took a prompt starting the same way (its prefix cache),
 unless it has ``PREFIX_SLACK`` more requests in flight than the least loaded one; the decode
-instance with the fewest requests in flight. A request that fails on an instance before
-anything reached the client (a refused connection, a 5xx, a failed pull) is tried once more on
-another pair; an instance whose connection is refused is reported dead on ``/health`` until it
-answers ``/health`` again. ``/metrics``: requests by outcome, hand-over latency (the prefill
+instance with the fewest requests in flight; instances last seen dead only when no other is
+left. A request that fails on an instance before anything reached the client (a refused
+connection, a 5xx, a failed pull) is tried once more on another pair; an instance whose
+connection failed is reported dead on ``/health`` until it answers again. ``/metrics``: requests by outcome, hand-over latency (the prefill
 instance's answer) and the KV bytes handed over.
 """
 
@@ -80,7 +80,7 @@ class RouterState:
         )
 
     def pick_prefill(self, body: dict[str, Any], avoid: set[str]) -> Instance:
-        alive = [i for i in self.prefill if i.url not in avoid] or self.prefill
+        alive = _usable(self.prefill, avoid)
         least = min(alive, key=lambda i: i.in_flight)
         key = _prefix_key(body)
         index = self.prefixes.get(key)
@@ -96,8 +96,17 @@ class RouterState:
         return chosen
 
     def pick_decode(self, avoid: set[str]) -> Instance:
-        alive = [i for i in self.decode if i.url not in avoid] or self.decode
-        return min(alive, key=lambda i: i.in_flight)
+        return min(_usable(self.decode, avoid), key=lambda i: i.in_flight)
+
+
+def _usable(instances: list[Instance], avoid: set[str]) -> list[Instance]:
+    """Those not tried for this request and not seen dead; failing that, those not tried;
+    failing that, all (the request then fails on one of them, naming it)."""
+    return (
+        [i for i in instances if i.url not in avoid and i.dead is None]
+        or [i for i in instances if i.url not in avoid]
+        or instances
+    )
 
 
 def _prefix_key(body: dict[str, Any]) -> str:
@@ -131,7 +140,9 @@ async def _post(state: RouterState, inst: Instance, path: str, body: dict[str, A
     assert state.client is not None
     inst.in_flight += 1
     try:
-        return await state.client.post(inst.url + path, json=body, headers=headers)
+        response = await state.client.post(inst.url + path, json=body, headers=headers)
+        inst.dead = None
+        return response
     except httpx.TransportError as e:
         inst.dead = f"{type(e).__name__}: {e}"
         raise _Retry(inst, f"{inst.role} instance {inst.url}: {e}") from e
