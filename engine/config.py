@@ -987,17 +987,18 @@ class EngineArgs:
         return want
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
-        """``kv_role`` prefill / decode: each rank moves its own KV shard to the rank of the same
-        index on the other side (tensor parallelism; attention DP, replicas and several nodes
+        """``kv_role`` prefill / decode: under tensor parallelism each rank moves its own KV shard
+        to the rank of the same index on the other side; under attention DP the rank holding a
+        request moves its whole KV to the rank that will decode it (replicas and several nodes
         are not handled yet)."""
         _require(self.kv_role in KV_ROLES, "kv_role", self.kv_role, ", ".join(KV_ROLES))
         if self.kv_role == "both":
             return None
-        if self.enable_attention_dp or self.nnodes != 1 or self.data_parallel_size != 1:
+        if self.nnodes != 1 or (self.data_parallel_size != 1 and not self.enable_attention_dp):
             raise ValueError(
-                f"kv_role={self.kv_role!r} runs under tensor parallelism on one node for now "
-                "(no -dp, attention DP or --nnodes): those place a request's KV on one rank of "
-                "many, which the transfer does not follow yet"
+                f"kv_role={self.kv_role!r} runs on one node without -dp replicas for now (no "
+                "--nnodes, no -dp without attention DP): the transfer addresses one engine's "
+                "ranks on one host"
             )
         return KVTransferConfig(
             self.kv_role, self.kv_transfer_host, self.kv_transfer_port, self.kv_transfer_timeout

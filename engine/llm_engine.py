@@ -402,7 +402,7 @@ class LLMEngine:
             if self.new_grammars or busy or any(s.finished_request_ids for s in scheds):
                 empty = [StepInput([], sched.finished_request_ids) for sched in scheds]
                 self._send_grammars(empty)
-                self._attach_kv(empty[0])
+                self._attach_kv(empty)
                 done = self.executor.execute(empty[0] if self.dp_size == 1 else DPStepInput(empty))
                 admitted = self._kv_results(done)
             if busy and not admitted:  # only transfers in flight: poll, do not spin
@@ -429,7 +429,7 @@ class LLMEngine:
         for inp in inputs:
             inp.num_draft_steps = k_step if 0 < k_step < self.num_spec_tokens else None
         self._send_grammars(inputs)
-        self._attach_kv(inputs[0])
+        self._attach_kv(inputs)
         result = self.executor.execute(inputs[0] if self.dp_size == 1 else DPStepInput(inputs))
         admitted = self._kv_results(result)
         if self.step_costs is not None:
@@ -576,14 +576,22 @@ class LLMEngine:
     def _kv_busy(self) -> bool:
         return bool(self.handovers or self.pulls or self.new_offers or self.new_pulls)
 
-    def _attach_kv(self, inp: StepInput) -> None:
-        """What the ranks offer, pull and report on this step."""
+    def _attach_kv(self, inputs: list[StepInput]) -> None:
+        """What the ranks offer, pull and report on this step: under attention DP the rank
+        holding a request does its transfer (every rank hears of all of them); under tensor
+        parallelism every rank does its shard's."""
         if self.kv_role == "both":
             return
-        inp.kv_offers, self.new_offers = self.new_offers, []
-        inp.kv_pulls, self.new_pulls = self.new_pulls, []
-        inp.kv_pending = list(self.handovers)
-        inp.kv_pulling = list(self.pulls)
+        dp = self.dp_size > 1
+        for rid, tid, blocks, rank in self.new_offers:
+            inputs[rank if dp else 0].kv_offers.append((rid, tid, blocks))
+        for rid, addresses, source, tid, blocks, rank in self.new_pulls:
+            inputs[rank if dp else 0].kv_pulls.append((rid, addresses, source, tid, blocks))
+        self.new_offers, self.new_pulls = [], []
+        pending = [(tid, rank if dp else -1) for tid, (_, rank) in self.handovers.items()]
+        pulling = [(rid, p.rank if dp else -1) for rid, p in self.pulls.items()]
+        for inp in inputs:
+            inp.kv_pending, inp.kv_pulling = pending, pulling
 
     def _kv_results(self, result: StepOutput) -> list[RequestOutput]:
         """Free the blocks of offers every rank ended; admit (or fail) the requests whose pull
@@ -620,11 +628,14 @@ class LLMEngine:
         self.schedulers[rank].detach(request)  # the ranks forget it after offering it
         tid = self.next_transfer_id
         self.next_transfer_id += 1
-        self.new_offers.append((rid, tid, list(request.block_ids)))
+        self.new_offers.append((rid, tid, list(request.block_ids), rank))
         self.handovers[tid] = (request, rank)
         lp = request.logprobs[0] if request.logprobs else None
         params = {
             "remote_addresses": self.kv_addresses,
+            # Attention DP: the one rank holding it (its KV is whole there); -1: every rank
+            # holds its shard (tensor parallelism).
+            "remote_rank": rank if self.dp_size > 1 else -1,
             "transfer_id": tid,
             "num_blocks": len(request.block_ids),
             "num_bytes": len(request.block_ids) * self.kv_bytes_per_block,
@@ -653,12 +664,22 @@ class LLMEngine:
         assert kv is not None
         addresses = kv.get("remote_addresses")
         ranks = self.config.parallel_config.tensor_parallel_size
+        source = kv.get("remote_rank", -1)
         if int(kv.get("num_prompt_tokens", -1)) != request.num_prompt_tokens:
             raise ValueError(
                 f"kv_transfer_params: the prefill instance had {kv.get('num_prompt_tokens')} "
                 f"prompt tokens, this request {request.num_prompt_tokens}"
             )
-        if not isinstance(addresses, list) or len(addresses) != ranks:
+        if (source == -1) != (self.dp_size == 1):
+            raise ValueError(
+                "kv_transfer_params: one side runs attention DP and the other does not "
+                f"(remote_rank {source}, this instance {'with' if self.dp_size > 1 else 'without'}"
+                " attention DP): a request's KV is whole on one rank under it, sharded without"
+            )
+        if self.dp_size > 1:  # the holder's whole KV: any count of ranks on either side
+            if not isinstance(addresses, list) or not 0 <= int(source) < len(addresses):
+                raise ValueError(f"kv_transfer_params: remote_rank {source} has no address")
+        elif not isinstance(addresses, list) or len(addresses) != ranks:
             n = len(addresses) if isinstance(addresses, list) else "no"
             raise ValueError(
                 f"kv_transfer_params: the prefill instance has {n} rank address(es), this decode "
@@ -682,7 +703,9 @@ class LLMEngine:
             return
         self.rank_of[rid] = rank
         blocks = list(request.block_ids)
-        self.new_pulls.append((rid, [str(a) for a in addresses], int(kv["transfer_id"]), blocks))
+        source = int(kv.get("remote_rank", -1))
+        tid = int(kv["transfer_id"])
+        self.new_pulls.append((rid, [str(a) for a in addresses], source, tid, blocks, rank))
         self.pulls[rid] = _Pull(request, rank)
 
     def _retry_waiting_pulls(self) -> None:

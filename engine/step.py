@@ -74,13 +74,18 @@ class StepInput:
     # Masked drafting: the grammars of constrained requests that arrived since the last step,
     # for the ranks to compile off the step (the engine schedules them once it compiled its own).
     grammars: list[StructuredSpec] = field(default_factory=list)
-    # Disaggregated serving (engine/kv_transfer.py), on every rank: hand-overs to offer
-    # (request id, transfer id, blocks), pulls to start (request id, the prefill instance's
-    # rank addresses, transfer id, blocks), and the offers and pulls the engine waits on.
+    # Disaggregated serving (engine/kv_transfer.py): hand-overs to offer (request id, transfer
+    # id, blocks), pulls to start (request id, the prefill instance's rank addresses, the one
+    # to pull from: -1 this rank's index, transfer id, blocks) on the ranks this entry is for;
+    # and on every rank, the offers and pulls the engine waits on with the rank that holds each
+    # (-1: every rank, tensor parallelism).
     kv_offers: list[tuple[str, int, list[int]]] = field(default_factory=list)
-    kv_pulls: list[tuple[str, list[str], int, list[int]]] = field(default_factory=list)
-    kv_pending: list[int] = field(default_factory=list)
-    kv_pulling: list[str] = field(default_factory=list)
+    kv_pulls: list[tuple[str, list[str], int, int, list[int]]] = field(default_factory=list)
+    kv_pending: list[tuple[int, int]] = field(default_factory=list)
+    kv_pulling: list[tuple[str, int]] = field(default_factory=list)
+
+
+OTHER_RANK_FAILED = "another rank's pull failed"
 
 
 @dataclass
@@ -170,6 +175,14 @@ def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
         merged.draft_parents += o.draft_parents
         merged.rank_paths += o.rank_paths
         merged.eplb = merged.eplb or o.eplb
+    # Every rank reports the same ended transfers; a failed pull's reason is its holder's.
+    merged.kv_released = outputs[0].kv_released if outputs else []
+    pulled: dict[str, str | None] = {}
+    for o in outputs:
+        for rid, error in o.kv_pulled:
+            if rid not in pulled or pulled[rid] == OTHER_RANK_FAILED:
+                pulled[rid] = error
+    merged.kv_pulled = list(pulled.items())
     return merged
 
 

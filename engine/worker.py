@@ -21,7 +21,13 @@ from tandem.engine.speculative.draft_grammar import DraftGrammars
 from tandem.engine.speculative.draft_model import DraftModelDecoder
 from tandem.engine.speculative.suffix_decoder import SuffixTreeDecoder
 from tandem.engine.speculative.tree_decoder import TreeDecoder
-from tandem.engine.step import DPStepInput, StepInput, StepOutput, num_dummy_blocks
+from tandem.engine.step import (
+    OTHER_RANK_FAILED,
+    DPStepInput,
+    StepInput,
+    StepOutput,
+    num_dummy_blocks,
+)
 from tandem.engine.structured_output import GrammarCompiler
 from tandem.engine.tokenizer import load_tokenizer, model_eos_token_ids
 from tandem.kernels.cpu_decode import MAX_ROWS
@@ -375,14 +381,15 @@ class Worker:
     def execute(self, step: StepInput | DPStepInput) -> StepOutput:
         """A plain step, or (attention DP) every rank's entries, of which this rank runs its own
         and returns its own output."""
+        mine = step.steps[self.mapping.tp_rank] if isinstance(step, DPStepInput) else step
+        if self.kv is not None:  # offers first: the step makes the ranks forget them
+            self._kv_start(mine)
         if isinstance(step, DPStepInput):
             out = self.runner.execute_dp(step)
         else:
-            if self.kv is not None:  # offers first: the step makes the ranks forget them
-                self._kv_start(step)
             out = self.runner.execute_plain(step)
-            if self.kv is not None:
-                self._kv_progress(step, out)
+        if self.kv is not None:
+            self._kv_progress(mine, out)
         if self.eplb is not None:  # between steps, on every rank alike
             out.eplb = self.eplb.step()
         return out
@@ -419,8 +426,9 @@ class Worker:
         assert self.kv is not None
         for rid, tid, blocks in step.kv_offers:
             self.kv.offer(tid, blocks, self.runner.handover_state(rid))
-        for rid, addresses, tid, blocks in step.kv_pulls:
-            self.kv_futures[rid] = self.kv.pull(addresses[self.mapping.tp_rank], tid, blocks)
+        for rid, addresses, source, tid, blocks in step.kv_pulls:
+            address = addresses[self.mapping.tp_rank if source < 0 else source]
+            self.kv_futures[rid] = self.kv.pull(address, tid, blocks)
 
     def _kv_progress(self, step: StepInput, out: StepOutput) -> None:
         """What this rank finished, then (one collective when the engine waits on some) what
@@ -445,20 +453,23 @@ class Worker:
         pending, pulling = step.kv_pending, step.kv_pulling
         if not pending and not pulling:
             return
-        flags = [t in self.kv_done for t in pending] + [r in self.kv_pulled for r in pulling]
-        flags += [r in self.kv_pulled and self.kv_pulled[r] is None for r in pulling]
+        me = self.mapping.tp_rank
+        # A transfer another rank holds (attention DP) is no news here: "ended" and "fine".
+        flags = [t in self.kv_done or o not in (-1, me) for t, o in pending]
+        flags += [r in self.kv_pulled or o not in (-1, me) for r, o in pulling]
+        flags += [self.kv_pulled.get(r, "missing") is None or o not in (-1, me) for r, o in pulling]
         both = torch.tensor(flags, dtype=torch.int64, device=self.config.device)
         if self.mapping.tp_size > 1:
             dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.mapping.group)
         every = both.tolist()
         n = len(pending)
-        for tid, ended in zip(pending, every[:n], strict=True):
+        for (tid, _), ended in zip(pending, every[:n], strict=True):
             if ended:
                 self.kv_done.pop(tid, None)
                 out.kv_released.append(tid)
         ended_pulls = every[n : n + len(pulling)]
         pulled_ok = every[n + len(pulling) :]
-        for rid, ended, ok in zip(pulling, ended_pulls, pulled_ok, strict=True):
+        for (rid, _), ended, ok in zip(pulling, ended_pulls, pulled_ok, strict=True):
             if ended:
-                error = self.kv_pulled.pop(rid)
-                out.kv_pulled.append((rid, None if ok else error or "another rank's pull failed"))
+                error = self.kv_pulled.pop(rid, None)
+                out.kv_pulled.append((rid, None if ok else error or OTHER_RANK_FAILED))

@@ -290,7 +290,7 @@ def test_a_decode_instance_with_another_kv_layout_is_refused(llama: tuple[Path, 
 
 
 def test_roles_are_refused_where_the_kv_would_not_move() -> None:
-    with pytest.raises(ValueError, match="kv_role='decode' runs under tensor parallelism"):
+    with pytest.raises(ValueError, match="kv_role='decode' runs on one node without -dp replicas"):
         EngineArgs(model=".", kv_role="decode", data_parallel_size=2)._kv_transfer_config()
     with pytest.raises(ValueError, match="kv_role='middle' is invalid"):
         EngineArgs(model=".", kv_role="middle")._kv_transfer_config()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -154,6 +155,34 @@ def test_streamed_chat_and_seeded_sampling_equal_one_instance(servers: dict[str,
         want = _completion(servers["both"].base_url, PROMPTS[0], temperature=0.8, seed=seed)
         got = _completion(servers["router"], PROMPTS[0], temperature=0.8, seed=seed)
         assert got[0] == want[0]
+
+
+@pytest.mark.timeout(300)
+def test_attention_dp_on_both_sides(servers: dict[str, Any]) -> None:
+    """`-tp 2 --enable-attention-dp` instances: a request's KV is whole on the one rank that
+    prefilled it and moves to the one rank that decodes it (every rank hears of every
+    transfer); requests in flight together spread over both ranks of each side."""
+    args = [*servers["spec"], "-tp", "2", "--enable-attention-dp"]
+    prefill = RemoteServer(servers["target"], [*args, "--role", "prefill"])
+    decode = RemoteServer(servers["target"], [*args, "--role", "decode"])
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router, url = _start_router(prefill, decode)
+        want = [_completion(servers["both"].base_url, p, temperature=0) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _completion(url, p, temperature=0), PROMPTS))
+        for g, w in zip(got, want, strict=True):
+            assert g[0] == w[0]
+            assert max(abs(a - b) for a, b in zip(g[1], w[1], strict=True)) < 1e-4
+            assert g[2] == w[2]
+        for s in (prefill, decode):
+            _assert_blocks_freed(s)
+    finally:
+        _stop_router(router)
+        prefill.stop()
+        decode.stop()
 
 
 def test_a_request_the_prefill_instance_refuses_is_the_clients_400(
