@@ -230,6 +230,12 @@ def test_transfers_that_cannot_complete_free_their_blocks(llama: tuple[Path, Pat
             decode.add_request(
                 "z", decode.make_request("z", PROMPTS[0], dataclasses.replace(d, kv_transfer=two))
             )
+        # A prefill instance under attention DP (its KV whole on one rank) for this one.
+        adp = {**kv, "remote_rank": 0}
+        with pytest.raises(ValueError, match="one side runs attention DP and the other does not"):
+            decode.add_request(
+                "w", decode.make_request("w", PROMPTS[0], dataclasses.replace(d, kv_transfer=adp))
+            )
         # Nothing listens there.
         dead = {**kv, "remote_addresses": ["127.0.0.1:9"]}
         decode.add_request(
