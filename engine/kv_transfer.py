@@ -61,18 +61,12 @@ class TransferError(RuntimeError):
 
 
 class KVTransfer(Protocol):
-    address: str  # where decode instances reach this one ("HOST:PORT")
+    address: str  # where decode instances reach this one ("HOST:PORT"; "" on a decode side)
+    bytes_per_block: int  # one block over every cache tensor of this rank
 
     def offer(self, transfer_id: int, block_ids: list[int], state: bytes) -> None:
         """Prefill side: make a request's blocks and state pullable until taken or expired."""
         ...
-
-    def _ended(self, tid: int) -> None:
-        """Remember a transfer that was taken or expired (a pull of it fails at once); the
-        lock is held."""
-        self.ended[tid] = None
-        while len(self.ended) > ENDED_KEPT:
-            self.ended.popitem(last=False)
 
     def finished(self) -> list[tuple[int, bool]]:
         """Prefill side: (transfer id, sent) for offers taken or expired since the last call;

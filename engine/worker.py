@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graph import CUDAGraphRunner, graph_batch_sizes, graph_mode
 from tandem.engine.graph_runner import GraphRunner
-from tandem.engine.kv_transfer import DistKVTransfer, Pull
+from tandem.engine.kv_transfer import DistKVTransfer, KVTransfer, Pull
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.speculative.decoder import DraftlessDecoder, SpecDecoder
 from tandem.engine.speculative.draft_grammar import DraftGrammars
@@ -400,7 +400,7 @@ class Worker:
         """This rank's end of disaggregated serving: a prefill rank serves its KV at the
         configured host (port + rank, or a free port), a decode rank pulls from its peer."""
         kc = config.kv_transfer_config
-        self.kv: DistKVTransfer | None = None
+        self.kv: KVTransfer | None = None  # another transport is built here instead
         self.kv_addresses: list[str] = []
         self.kv_done: dict[int, bool] = {}
         self.kv_futures: dict[str, Pull] = {}
