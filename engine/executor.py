@@ -81,7 +81,9 @@ class Executor:
         """Raise if a rank is gone."""
 
     def shutdown(self) -> None:
-        pass
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
 
 
 class UniProcExecutor(Executor):
@@ -327,6 +329,8 @@ class MultiProcExecutor(Executor):
             return
         self.closed = True
         self._stop_ping.set()
+        if getattr(self, "worker", None) is not None:
+            self.worker.close()
         healthy = self.failure is None and all(p.is_alive() for p in self.procs)
         if self.groups is not None and healthy:
             try:

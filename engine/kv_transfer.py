@@ -16,16 +16,19 @@ point-to-point (gloo; the same calls run on NCCL): the prefill instance hosts a 
 its transfer address, each decode instance that pulls from it registers a pair there (its cache
 layout first: a mismatch is refused naming both), and the two build a 2-rank process group of
 their own. Per pair the prefill side serves one pull at a time on a thread: the decode side
-sends (transfer id, block count), the prefill side answers (found, data bytes, state bytes) and
-the bytes. Another transport (NIXL, Mooncake) implements the same five methods.
+posts (transfer id, block count) in the pair's store (no gloo call waits while a pair idles: a
+gloo timeout would close it, and a thread inside gloo at exit aborts the process), the prefill
+side answers over the group (found, data bytes, state bytes) and the bytes. Another transport (NIXL, Mooncake) implements the same five methods.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,9 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DistKVTransfer", "KVTransfer", "TransferError", "cache_layout"]
 
 ENDED_KEPT = 65536  # transfers remembered as taken or expired
-# A pair's collectives may wait this long: a gloo timeout closes the pair, and a pair idles
-# between pulls; transfers have deadlines of their own (``timeout_s``).
-PAIR_TIMEOUT = datetime.timedelta(days=7)
+REQUEST_POLL_S = (0.002, 0.02)  # a prefill rank polls for pulls: 2 ms after one, then up to 20
 
 
 @dataclass
@@ -122,6 +123,8 @@ class DistKVTransfer:
         self.done: list[tuple[int, bool]] = []
         self.ended: OrderedDict[int, None] = OrderedDict()
         self.closed = False
+        self.threads: list[threading.Thread] = []
+        _LIVE.add(self)
         self.store: Any = None
         self.address = ""
         if serve:  # prefill side: the pairs' rendezvous
@@ -129,9 +132,9 @@ class DistKVTransfer:
                 host, port, is_master=True, wait_for_workers=False, timeout=self.timeout
             )
             self.address = f"{host}:{self.store.port}"
-            threading.Thread(target=self._accept, name="kv-transfer-accept", daemon=True).start()
+            self._start(self._accept, "kv-transfer-accept")
         # Decode side: one pair (and one thread, pulls in order) per prefill instance.
-        self.pairs: dict[str, tuple[Any, ThreadPoolExecutor]] = {}
+        self.pairs: dict[str, tuple[Any, ThreadPoolExecutor, Any]] = {}
 
     # ------------------------------------------------------------ prefill side
 
@@ -159,6 +162,38 @@ class DistKVTransfer:
             done, self.done = self.done, []
         return done
 
+    def _pair_with(self, store: Any) -> Any:
+        """The prefill side of a pair: its group, or None (and the verdict) when the decode
+        instance's KV layout differs."""
+        theirs = store.get("layout").decode()
+        if theirs != self.layout:
+            store.set(
+                "verdict",
+                f"KV cache layouts differ: the prefill instance has [{self.layout}], the decode "
+                f"instance [{theirs}] (same model, dtype, block size and --kv-cache-dtype on "
+                "both)",
+            )
+            return None
+        store.set("verdict", "ok")
+        return dist.ProcessGroupGloo(store, 0, 2, self.timeout)
+
+    def _next_request(self, store: Any, n: int) -> tuple[int, int] | None:
+        """The pair's n-th pull request (transfer id, block count), polled from the store
+        (every 2 ms after a request, slowing to every 20 ms while idle); None once closed."""
+        key = f"req{n}"
+        wait = REQUEST_POLL_S[0]
+        while not self.closed:
+            try:
+                if store.check([key]):
+                    tid, blocks = store.get(key).decode().split(",")
+                    store.delete_key(key)
+                    return int(tid), int(blocks)
+            except Exception:  # the store is closing
+                return None
+            time.sleep(wait)
+            wait = min(wait * 2, REQUEST_POLL_S[1])
+        return None
+
     def _take(self, tid: int) -> _Offer | None:
         """The offer, waited for while it may still come (the engine offers it with the step
         after the hand-over; a fast decode instance may ask first)."""
@@ -182,35 +217,29 @@ class DistKVTransfer:
             while seen < count:
                 key = f"pair{seen}"
                 seen += 1
-                threading.Thread(
-                    target=self._serve_pair, args=(key,), name=f"kv-{key}", daemon=True
-                ).start()
+                self._start(lambda key=key: self._serve_pair(key), f"kv-{key}")
             time.sleep(0.05)
 
     def _serve_pair(self, key: str) -> None:
         store = dist.PrefixStore(key, self.store)
-        theirs = store.get("layout").decode()
-        if theirs != self.layout:
-            store.set(
-                "verdict",
-                f"KV cache layouts differ: the prefill instance has [{self.layout}], the decode "
-                f"instance [{theirs}] (same model, dtype, block size and --kv-cache-dtype on "
-                "both)",
-            )
+        try:
+            group = self._pair_with(store)
+        except Exception as e:  # the decode instance left while pairing
+            logger.warning("KV transfer pairing %s failed: %s", key, e)
             return
-        store.set("verdict", "ok")
-        group = dist.ProcessGroupGloo(store, 0, 2, PAIR_TIMEOUT)
-        header = torch.zeros(2, dtype=torch.int64)
-        while not self.closed:
-            try:
-                group.recv([header], 1, 0).wait()
-            except Exception:  # the decode instance went away
+        if group is None:
+            return
+        n = 0
+        while True:  # requests come through the store: no gloo call waits while the pair idles
+            n += 1
+            request = self._next_request(store, n)
+            if request is None:
                 return
-            tid = int(header[0])
+            tid, num_blocks = request
             offer = self._take(tid)
             sent = False
             try:
-                if offer is None or len(offer.block_ids) != int(header[1]):
+                if offer is None or len(offer.block_ids) != num_blocks:
                     group.send([torch.zeros(3, dtype=torch.int64)], 1, 1).wait()
                     continue
                 data = self._gather(offer.block_ids)
@@ -246,7 +275,7 @@ class DistKVTransfer:
             pair = self.pairs.get(address)
             if pair is None:
                 pool = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
-                pair = self.pairs[address] = (None, pool)
+                pair = self.pairs[address] = (None, pool, None)
         handle = Pull(address, time.monotonic() + self.timeout_s)
         handle.future = pair[1].submit(self._pull, handle, transfer_id, list(block_ids))
         return handle
@@ -277,23 +306,24 @@ class DistKVTransfer:
         verdict = pair_store.get("verdict").decode()
         if verdict != "ok":
             raise TransferError(verdict)
-        group = dist.ProcessGroupGloo(pair_store, 1, 2, PAIR_TIMEOUT)
+        group = dist.ProcessGroupGloo(pair_store, 1, 2, self.timeout)
         with self.lock:
             if address in self.pairs:
-                self.pairs[address] = (group, self.pairs[address][1])
+                self.pairs[address] = (group, self.pairs[address][1], pair_store)
         return group
 
     def _forget(self, address: str) -> None:
         with self.lock:
             if address in self.pairs:
-                self.pairs[address] = (None, self.pairs[address][1])
+                self.pairs[address] = (None, self.pairs[address][1], None)
 
     def _pull(self, handle: Pull, transfer_id: int, block_ids: list[int]) -> bytes:
         address = handle.address
         group = self._group(address)
         try:
-            header = torch.tensor([transfer_id, len(block_ids)], dtype=torch.int64)
-            group.send([header], 0, 0).wait()
+            store = self.pairs[address][2]
+            n = store.add("requests", 1)
+            store.set(f"req{n}", f"{transfer_id},{len(block_ids)}")
             status = torch.zeros(3, dtype=torch.int64)
             group.recv([status], 0, 1).wait()
             if int(status[0]) != 1:
@@ -330,7 +360,28 @@ class DistKVTransfer:
         if offset != data.numel():
             raise TransferError(f"KV transfer: {data.numel()} bytes for {offset} expected")
 
+    def _start(self, target: Any, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
     def close(self) -> None:
+        """Stop the threads (each polls ``closed`` at least every 50 ms, never waiting inside
+        gloo while idle): a thread still inside a C++ call when the interpreter finalizes
+        aborts the process."""
         self.closed = True
-        for _, pool in self.pairs.values():
+        for _, pool, _ in self.pairs.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2.0)
+
+
+# Every transfer not closed yet is closed at exit, before the interpreter finalizes.
+_LIVE: weakref.WeakSet[DistKVTransfer] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for transfer in list(_LIVE):
+        transfer.close()

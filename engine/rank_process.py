@@ -61,6 +61,7 @@ def serve_steps(worker: Worker, control: Any) -> None:
     while True:
         step = broadcast_object(None, control)
         if step is None:
+            worker.close()
             return
         if isinstance(step, str) and step == PING:
             continue

@@ -394,6 +394,11 @@ class Worker:
             out.eplb = self.eplb.step()
         return out
 
+    def close(self) -> None:
+        """Stop what runs beside the steps (the KV transfer's threads)."""
+        if getattr(self, "kv", None) is not None:
+            self.kv.close()
+
     # ---------------------------------------------------------------- disaggregation
 
     def _start_kv_transfer(self, config: EngineConfig) -> None:
