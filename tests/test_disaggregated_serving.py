@@ -183,6 +183,8 @@ def test_attention_dp_on_both_sides(servers: dict[str, Any]) -> None:
         _stop_router(router)
         prefill.stop()
         decode.stop()
+    # Both paired, both stopped by SIGTERM: a clean exit (no transfer thread left inside gloo).
+    assert (prefill.proc.returncode, decode.proc.returncode) == (0, 0)
 
 
 def test_a_request_the_prefill_instance_refuses_is_the_clients_400(
