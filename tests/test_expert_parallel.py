@@ -170,7 +170,9 @@ def _rank_imbalance(per_rank: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    # One fresh interpreter imports torch and the MoE layer once; the ranks fork from it.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tandem.models.moe", "test_expert_parallel"])
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(RANKS)]
