@@ -39,6 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "AllToAllDispatcher",
+    "next_placement",
     "DispatchHandle",
     "ExpertDispatcher",
     "ExpertPlacement",
@@ -79,6 +80,20 @@ def balanced_placement(loads: list[float], num_slots: int, num_ranks: int) -> li
         rank_experts[r].append(e)
         rank_load[r] += load
     return [e for experts in rank_experts for e in sorted(experts)]
+
+
+def next_placement(
+    loads: list[float], current: list[int], num_ranks: int
+) -> tuple[list[int], float, float]:
+    """(placement, imbalance under ``current``, under the placement) for ``loads``: the
+    balanced placement where it lowers the imbalance, else ``current`` (greedy packing is not
+    optimal: a placement that balances better stays, and no weight moves)."""
+    new = balanced_placement(loads, len(current), num_ranks)
+    before = placement_imbalance(loads, current, num_ranks)
+    after = placement_imbalance(loads, new, num_ranks)
+    if after >= before:
+        return list(current), before, before
+    return new, before, after
 
 
 def placement_imbalance(loads: list[float], slot_logical: list[int], num_ranks: int) -> float:

@@ -29,9 +29,8 @@ from tandem.kernels.moe import grouped_topk, moe_experts
 from tandem.models.expert_parallel import (
     AllToAllDispatcher,
     ExpertPlacement,
-    balanced_placement,
     move_expert_weights,
-    placement_imbalance,
+    next_placement,
 )
 from tandem.models.layers import MergedColumnParallelLinear, RowParallelLinear, silu_and_mul
 from tandem.models.parallel import (
@@ -266,7 +265,8 @@ class DeepseekV3MoE(nn.Module):
 
     def rebalance(self) -> tuple[float, float, int]:
         """EPLB, on every rank of the group at once: sum the loads of the window, place the
-        experts for them (``balanced_placement``) and move the weights that change rank.
+        experts for them (``balanced_placement``; kept as they are where that would not lower
+        the window's imbalance) and move the weights that change rank.
         Returns (imbalance of the window's loads under the old placement, under the new one,
         pairs counted)."""
         p, mapping = self.placement, self.mapping
@@ -277,9 +277,7 @@ class DeepseekV3MoE(nn.Module):
             dist.all_reduce(loads, group=mapping.group)
         expert_loads = [float(n) for n in loads.tolist()]
         old = p.slot_logical
-        new = balanced_placement(expert_loads, p.num_slots, p.num_ranks)
-        before = placement_imbalance(expert_loads, old, p.num_ranks)
-        after = placement_imbalance(expert_loads, new, p.num_ranks)
+        new, before, after = next_placement(expert_loads, old, p.num_ranks)
         if new != old:
             e = self.experts
             names = ["w13", "w2"] + (["w13_scale_inv", "w2_scale_inv"] if e.fp8_block else [])

@@ -108,13 +108,14 @@ def test_adp2_with_lm_head_tp_equals_single_rank(
         if spec is not None:
             assert stats.eplb_rebalances >= 2
             assert stats.eplb_imbalance_after <= stats.eplb_imbalance_before
-            # The target's and the MTP layer's MoE: each placement moved from the start's.
+            # The target's and the MTP layer's MoE are balanced; a placement moved from the start's
+            # (a layer the packing would not improve keeps its own).
             draft = engine.executor.worker.runner.spec.draft
             layers = [
                 m for part in (model, draft) for m in part.modules() if hasattr(m, "placement")
             ]
             assert len(layers) == 2
-            assert all(m.placement.slot_logical != [*range(8), 0, 1] for m in layers)
+            assert any(m.placement.slot_logical != [*range(8), 0, 1] for m in layers)
     assert got_tokens == tokens
     assert _close(got_logprobs, logprobs) < 1e-4
     if spec is not None:

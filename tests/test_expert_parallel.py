@@ -24,7 +24,11 @@ import torch
 import torch.multiprocessing as mp
 
 from server_utils import free_port
-from tandem.models.expert_parallel import balanced_placement, placement_imbalance
+from tandem.models.expert_parallel import (
+    balanced_placement,
+    next_placement,
+    placement_imbalance,
+)
 
 RANKS = 4
 ROWS = [5, 3, 0, 7]  # rank 2 has no rows this step
@@ -257,6 +261,16 @@ def test_balanced_placement() -> None:
     assert placement_imbalance([0.0] * 4, p, 2) == 1.0
     with pytest.raises(ValueError, match="cannot hold"):
         balanced_placement([1.0] * 8, 9, 2)
+    # Greedy packing is not optimal: {3, 2, 2} / {3, 2, 0} against {3, 3, 0} / {2, 2, 2}. A
+    # rebalance keeps a placement the packing would not improve (a CI run saw 1.029 -> 1.033).
+    loads = [3.0, 3.0, 2.0, 2.0, 2.0, 0.0]
+    exact = [0, 1, 5, 2, 3, 4]
+    greedy = balanced_placement(loads, 6, 2)
+    assert placement_imbalance(loads, greedy, 2) > placement_imbalance(loads, exact, 2) == 1.0
+    assert next_placement(loads, exact, 2) == (exact, 1.0, 1.0)
+    worse = [0, 1, 2, 3, 4, 5]  # {3, 3, 2} / {2, 2, 0}
+    new, before, after = next_placement(loads, worse, 2)
+    assert after < before and new == greedy
 
 
 def test_eplb_refuses_what_it_cannot_balance() -> None:
