@@ -169,15 +169,6 @@ class ExpertPlacement:
         self.copies.copy_(torch.tensor(table, dtype=torch.int64))  # [E, width]
         self.num_copies.copy_(torch.tensor([len(c) for c in copies]))
 
-    def slots_of(self, expert: int, rank: int) -> list[int]:
-        """Rank ``rank``'s local slots holding logical ``expert``."""
-        first = rank * self.slots_per_rank
-        return [
-            p - first
-            for p in range(first, first + self.slots_per_rank)
-            if self.slot_logical[p] == expert
-        ]
-
     def to_physical(self, ids: Tensor, counted: slice) -> Tensor:
         """Logical choices [T, k] → physical slots [T, k], the rows ``counted`` counted in
         ``step_loads``. The choice depends only on ``ids`` (ranks that see the same rows choose
