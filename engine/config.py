@@ -102,6 +102,28 @@ class ModelConfig:
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
+def fp8_kv_unavailable(device: torch.device) -> str | None:
+    """Why an FP8 KV cache cannot serve on ``device`` (None: it can). CPUs read it on the
+    PyTorch path; on a GPU the Triton kernels convert e4m3 in registers, which Triton compiles
+    for compute capability 8.9 and newer only (Ada, Hopper, Blackwell)."""
+    from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
+    from tandem.kernels.launch import FORCE_GPU_PATHS, HAS_TRITON, gpu_paths
+
+    if not gpu_paths(device):
+        return None
+    if not HAS_TRITON:
+        return "the GPU attention kernels need Triton, which is not installed"
+    if device.type == "cuda" and not FORCE_GPU_PATHS:
+        cap = torch.cuda.get_device_capability(device)
+        if cap < FP8_MIN_CAPABILITY:
+            return (
+                f"this GPU is sm_{cap[0]}{cap[1]}; the Triton kernels read and write e4m3 on "
+                f"sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} and newer "
+                "(--kv-cache-dtype auto serves it)"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -1137,12 +1159,10 @@ class EngineArgs:
             from tandem.models.gpt_oss import check_gpt_oss
 
             check_gpt_oss(device)
-        if self.kv_cache_dtype != "auto" and device.type != "cpu":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU devices for now: the "
-                "Triton kernels' FP8 reads and writes have run through the interpreter only, "
-                "not yet on a GPU"
-            )
+        if self.kv_cache_dtype != "auto":
+            why = fp8_kv_unavailable(device)
+            if why is not None:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} cannot serve here: {why}")
         if spec is not None and spec.draft_quantization != "none":
             # Its int8 blocks are read by the CPU fast path's products only (one rank).
             where = "a CPU device" if device.type != "cpu" else None

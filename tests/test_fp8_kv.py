@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import add_mtp_layers, build_deepseek_v3, build_gpt_oss, build_llama
 from tandem import LLM, SamplingParams
-from tandem.engine.config import EngineArgs
+from tandem.engine.config import EngineArgs, fp8_kv_unavailable
 from tandem.kernels.paged_attention import FP8_KV_DTYPE
 
 PROMPTS = [
@@ -52,11 +53,15 @@ def test_fp8_kv_follows_bf16_kv_at_95_percent_of_positions(llama: Path) -> None:
     model has many near-ties (a fifth of its positions have top-2 logprobs within 0.05 nats;
     bf16's own resolution there is 0.008), where any rounding picks either token (bf16 against
     fp32 KV flips some too); past them the tokens must agree."""
+    _check_follows_bf16_kv(llama)
+
+
+def _check_follows_bf16_kv(llama: Path, **kw: Any) -> None:
     params = SamplingParams(
         temperature=0, max_tokens=STEPS, ignore_eos=True, detokenize=False, logprobs=2
     )
     one = SamplingParams(temperature=0, max_tokens=1, logprobs=0, detokenize=False)
-    with LLM(str(llama), dtype="bfloat16", max_model_len=128) as llm:
+    with LLM(str(llama), dtype="bfloat16", max_model_len=128, **kw) as llm:
         ref = llm.generate(PROMPTS, params)
     prefixes, expected = [], []
     for prompt, out in zip(PROMPTS, ref, strict=True):
@@ -65,7 +70,7 @@ def test_fp8_kv_follows_bf16_kv_at_95_percent_of_positions(llama: Path) -> None:
             prefixes.append(prompt + tokens[:j])
             top = logprobs[j].top_logprobs
             expected.append((token, logprobs[j].logprob, top[0] - top[1]))
-    with LLM(str(llama), dtype="bfloat16", max_model_len=128, kv_cache_dtype="fp8") as llm:
+    with LLM(str(llama), dtype="bfloat16", max_model_len=128, kv_cache_dtype="fp8", **kw) as llm:
         assert {c.dtype for c in _caches(llm)} == {FP8_KV_DTYPE}
         got = llm.generate(prefixes, one)
     same = [o.outputs[0].token_ids[0] == t for o, (t, _, _) in zip(got, expected, strict=True)]
@@ -152,9 +157,47 @@ def test_the_checkpoints_kv_scales_are_used(llama: Path, tmp_path: Path) -> None
     assert _greedy(scaled, dtype="float32", kv_cache_dtype="fp8") != base
 
 
-def test_refused_where_it_does_not_run_yet(llama: Path) -> None:
+def test_refused_where_it_does_not_run(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """e5m2 is not served; a GPU older than sm_89 (no e4m3 in Triton) is refused naming its
+    compute capability; newer GPUs and CPUs serve it."""
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(model=str(llama), kv_cache_dtype="fp8_e5m2").create_engine_config()
+    cuda = torch.device("cuda")
+    for capability, allowed in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=capability: c)
+        why = fp8_kv_unavailable(cuda)
+        assert (why is None) == allowed, (capability, why)
+        if why is not None:
+            assert f"sm_{capability[0]}{capability[1]}" in why and "sm_89" in why
+    assert fp8_kv_unavailable(torch.device("cpu")) is None
+
+
+def needs_fp8_gpu(test: Any) -> Any:
+    """A gpu test that needs e4m3 in Triton (sm_89 or newer)."""
+    older = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9)
+    reason = "needs a CUDA device" if not torch.cuda.is_available() else "needs sm_89 or newer"
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available() or older, reason=reason)(test)
+    )
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_fp8_kv_follows_bf16_kv(llama: Path, graphs: bool) -> None:
+    """The same contract on a GPU: the compiled Triton kernels write and read e4m3, under CUDA
+    graphs and eagerly."""
+    _check_follows_bf16_kv(llama, device="cuda", enforce_eager=not graphs)
+
+
+@needs_fp8_gpu
+def test_cuda_speculation_is_exact_against_fp8_kv_without_it(tmp_path: Path) -> None:
+    model = build_llama(tmp_path / "mtp", layers=2, seed=4)
+    add_mtp_layers(model, 1, perfect=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    cuda = {"device": "cuda", "dtype": "float32", "kv_cache_dtype": "fp8"}
+    plain = _greedy(model, **cuda)
+    assert _greedy(model, **cuda, speculative_config=spec) == plain
+    assert _greedy(model, **cuda, enforce_eager=True) == plain  # graphs replay what eager runs
 
 
 def test_served_with_the_flag_as_vllm_spells_it(llama: Path) -> None:

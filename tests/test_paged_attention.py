@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -669,3 +670,55 @@ def test_triton_cuda_mla_shapes_match_reference(heads: int, scenario: str) -> No
     ref = paged_attention_reference(*b.args())
     cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in b.args()]
     assert_close(paged_attention(*cuda_args).cpu(), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["plain", "tree", "sinks-window", "mla"])
+def test_triton_cuda_reads_and_writes_an_fp8_cache(kind: str) -> None:
+    """--kv-cache-dtype fp8 compiled for the device (sm_89+): attention over an e4m3 cache
+    equals the reference on its dequantized values, and the kernel's writes equal PyTorch's
+    conversion of value / scale."""
+    if INTERPRETER:
+        selector = f"test_triton_cuda_reads_and_writes_an_fp8_cache and {kind}"
+        assert run_in_fresh_interpreter(__file__, selector, interpret=False) == 1
+        return
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 in Triton needs sm_89 or newer")
+    from tandem.kernels.paged_attention import FP8_KV_DTYPE
+
+    heads, kv_heads, dim = (16, 1, 576) if kind == "mla" else (8, 2, 128)
+    scenario = "mixed" if kind == "mla" else "verify"
+    b = make_batch(SCENARIOS[scenario], heads, kv_heads, dim, 16, torch.bfloat16, seed=7)
+    k_scale, v_scale = (0.5, 0.5) if kind == "mla" else (0.25, 3.0)
+    k8 = (b.k_cache.float() / k_scale).to(FP8_KV_DTYPE)
+    v8 = (b.v_cache.float() / v_scale).to(FP8_KV_DTYPE)
+    kw: dict = {}
+    if kind == "tree":
+        kw["tree_mask"] = torch.tensor([1, 3, 5, 9] * 3, dtype=torch.int64)
+    if kind == "sinks-window":
+        kw["sinks"] = torch.randn(heads, generator=torch.Generator().manual_seed(2))
+        kw["window"] = 5
+    rest = b.args()[3:]
+    deq_k, deq_v = k8.float() * k_scale, v8.float() * v_scale
+    ref = paged_attention_reference(b.q.float(), deq_k, deq_v, *rest, **kw)
+
+    def cuda(x: Any) -> Any:
+        return x.cuda() if isinstance(x, torch.Tensor) else x
+
+    out = paged_attention(
+        cuda(b.q), cuda(k8), cuda(v8), *map(cuda, rest),
+        k_scale=k_scale, v_scale=v_scale, **{n: cuda(v) for n, v in kw.items()},
+    )  # fmt: skip
+    assert_close(out.float().cpu(), ref, torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 15])
+    gen = torch.Generator().manual_seed(4)
+    new_k = torch.randn(4, kv_heads, dim, generator=gen) * 0.5
+    new_v = torch.randn(4, kv_heads, dim, generator=gen) * 2
+    kc, vc = cuda(k8.clone()), cuda(v8.clone())
+    write_kv_cache(cuda(new_k), cuda(new_v), kc, vc, cuda(slots), k_scale=0.5, v_scale=2.0)
+    flat_k, flat_v = kc.flatten(0, 1).cpu().float(), vc.flatten(0, 1).cpu().float()
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], (new_k[row] / 0.5).to(FP8_KV_DTYPE).float())
+            assert torch.equal(flat_v[slot], (new_v[row] / 2.0).to(FP8_KV_DTYPE).float())
