@@ -193,6 +193,54 @@ def test_engine_logprobs_equal_transformers_gguf_load(llm: LLM, gguf_model: Any)
     assert max(diffs) < 1e-3, diffs
 
 
+def test_fp8_kv_follows_bf16_kv_at_95_percent_of_positions(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-cache-dtype fp8 on a trained model: teacher-forced over bf16-KV continuations of
+    chat prompts (each position continues the bf16 run's own prefix), the greedy token equals
+    the bf16 cache's at >= 95 % of positions, near-ties included. Both runs on the PyTorch
+    attention path, bf16 weights (the C++ fast path does not read FP8 KV)."""
+    monkeypatch.setattr("tandem.kernels.cpu_decode.unavailable_reason", lambda: "the test")
+    small = dict(dtype="bfloat16", cpu_weights="dtype", max_model_len=512, max_num_seqs=64)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain what a prime number is.",
+        "List three colors of the rainbow.",
+        "How do I boil an egg?",
+        "Name a famous painter.",
+        "Why is the sky blue?",
+        "Give me a word that rhymes with cat.",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, detokenize=False)
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=2, detokenize=False)
+    with LLM(str(folder), **small) as llm:
+        prompts = [chat_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+        outs = llm.generate(prompts, params)
+        prefixes = [
+            p + o.outputs[0].token_ids[:j]
+            for p, o in zip(prompts, outs, strict=True)
+            for j in range(len(o.outputs[0].token_ids))
+        ]
+        ref = llm.generate(prefixes, one)  # the same prefill path as the FP8 run's
+    with LLM(str(folder), kv_cache_dtype="fp8", **small) as llm:
+        got = llm.generate(prefixes, one)
+    pairs = [(r.outputs[0], g.outputs[0]) for r, g in zip(ref, got, strict=True)]
+    same = [r.token_ids == g.token_ids for r, g in pairs]
+    errors = [abs(r.logprobs[0].logprob - g.logprobs[0].logprob) for r, g in pairs]
+    margins = [
+        round(r.logprobs[0].top_logprobs[0] - r.logprobs[0].top_logprobs[1], 3)
+        for (r, _), s in zip(pairs, same, strict=True)
+        if not s
+    ]
+    mae = sum(e for e, s in zip(errors, same, strict=True) if s) / max(1, sum(same))
+    print(f"\nSmolLM2 fp8 KV vs bf16 KV: {sum(same)}/{len(same)} positions equal, "
+          f"chosen-token logprob MAE {mae:.4f}; the bf16 run's top-2 margins (nats) where "
+          f"they differ: {sorted(margins)}")  # fmt: skip
+    assert sum(same) >= 0.95 * len(same)
+    assert mae > 0  # the FP8 cache was read
+
+
 def test_offline_engine_answers_paris(llm: LLM) -> None:
     prompt = chat_ids(llm.tokenizer, QUESTION)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
