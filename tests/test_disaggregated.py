@@ -7,7 +7,8 @@ layers) and draft state over a gloo pair and goes on; against one engine doing b
   without speculation, with Eagle3 chains and trees on a Llama target, and with MTP on a
   DeepSeek-V3 target (MLA's latent cache);
 - seeded sampled requests (temperature 0.8) give the same tokens: the request's random generator
-  and its drafts' probabilities move with it;
+  and its drafts' probabilities move with it; unseeded ones are distributed as colocated ones
+  (two-sample chi-square);
 - chunked prefill and a prefix-cache hit on the prefill side, a JSON schema on both;
 - failures: an offer nobody pulls expires and frees its blocks; a pull from an address where no
   prefill instance listens, or of a transfer the prefill instance no longer holds, fails the
@@ -23,11 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chi2_contingency
 
 from checkpoints import (
     build_deepseek_mtp_target,
+    build_eagle3_draft,
     build_llama,
     make_echo_target,
     perfect_eagle3_draft,
@@ -160,6 +164,66 @@ def test_llama_handed_over_equals_colocated(llama: tuple[Path, Path], spec: Any)
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_sampled_tokens_follow_the_colocated_distribution(tmp_path: Path) -> None:
+    """Two-sample chi-square at temperature 0.8 (p > 0.01), a 12-token model with a random
+    Eagle3 head: positions 1 and 2 (the decode side's first step verifies drafts made on the
+    prefill side from the moved draft state) over N requests each way. The two sides' engines
+    have different seeds, so the samples are independent; the test is deterministic."""
+    n = 600
+    target = build_llama(tmp_path / "t", layers=2, vocab_size=12, init_std=0.15)
+    spec = {"method": "eagle3", "model": str(build_eagle3_draft(tmp_path / "d", target))}
+    spec["num_speculative_tokens"] = 3
+    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, detokenize=False)
+    run = {"max_model_len": 32, "max_num_seqs": n, "max_num_batched_tokens": 4096}
+    with LLM(str(target), speculative_config=spec, seed=1, **run) as llm:
+        colocated = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]] * n, params)]
+
+    def engine(role: str) -> LLMEngine:
+        args = EngineArgs(model=str(target), speculative_config=spec, kv_role=role, seed=2, **run)
+        return LLMEngine.from_engine_args(args)
+
+    prefill, decode = engine("prefill"), engine("decode")
+    try:
+        handover = dataclasses.replace(params, kv_transfer={"do_remote_decode": True})
+        for i in range(n):
+            prefill.add_request(f"r{i}", [1, 2, 3], handover)
+        handed = _finish_all(prefill, n)
+        prefill.step()  # the ranks offer them with the step after the hand-over
+        for rid, out in handed.items():
+            decode.add_request(
+                rid, [1, 2, 3], dataclasses.replace(params, kv_transfer=out.kv_transfer_params)
+            )
+        finished = _finish_all(decode, n)
+        rate = decode.spec_stats.acceptance_rate
+        _drain(prefill)
+        for e in (prefill, decode):
+            assert e.get_stats().num_used_kv_blocks == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert rate > 0.2  # drafts accepted and rejected after the hand-over
+    disaggregated = [o.outputs[0].token_ids for o in finished.values()]
+    for j in (1, 2):
+        a = np.bincount([t[j] for t in colocated], minlength=12)
+        b = np.bincount([t[j] for t in disaggregated], minlength=12)
+        table = np.array([a, b])
+        p = float(chi2_contingency(table[:, table.sum(0) > 0])[1])
+        print(f"position {j}: colocated {a.tolist()}, handed over {b.tolist()}, p = {p:.3f}")
+        assert p > 0.01, (j, a, b)
+
+
+def _finish_all(engine: LLMEngine, n: int, deadline_s: float = 120.0) -> dict[str, Any]:
+    """Step ``engine`` until ``n`` requests have finished; their final outputs by id."""
+    done: dict[str, Any] = {}
+    end = time.monotonic() + deadline_s
+    while len(done) < n and time.monotonic() < end:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        failed = engine.take_failed()
+        assert not failed, failed
+    assert len(done) == n, f"{len(done)} of {n} finished"
+    return done
 
 
 @pytest.mark.parametrize(
