@@ -362,9 +362,9 @@ def test_distribution_equals_constrained_sampling_without_speculation(
     """Two-sample chi-square on the first two speculated positions (output tokens 1 and 2, the
     drafts proposed at prefill): constrained temperature-1 sampling with near-perfect MTP
     speculation (rejection sampling of the unmasked drafts against the masked target) against
-    none, 20,000 samples each."""
+    none, 10,000 samples each."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    n = 20000
+    n = 10000
     spec = StructuredSpec("regex", "[a-d][a-d][a-d]")
     prompts = [PROMPTS[0]] * n
     target, cfg = setup(models, "mtp-perfect", 3)
