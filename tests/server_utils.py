@@ -18,11 +18,6 @@ import httpx
 from checkpoints import build_llama
 
 REPO = Path(__file__).resolve().parent.parent
-# The environment the test process started with: the server zygote's (tests/server_zygote.py).
-BASE_ENV = dict(os.environ)
-# Set to 1: every server a fresh interpreter (no zygote).
-NO_ZYGOTE_ENV = "TANDEM_TEST_NO_ZYGOTE"
-_zygote: Any = None
 MAX_MODEL_LEN = 256
 READY_TIMEOUT_S = 120.0
 _MODEL_CACHE: dict[str, Path] = {}
@@ -117,7 +112,6 @@ class RemoteServer:
             self.port = free_port()
         self.api_key = api_key
         self.model = model
-        self.launcher = launcher
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-server-", suffix=".log", delete=False)
         self.command = [
             *(launcher or [sys.executable, "-m", "tandem.cli"]),
@@ -139,12 +133,6 @@ class RemoteServer:
     def _launch(self) -> None:
         self.log.seek(0)
         self.log.truncate()
-        zygote = None if self.launcher is not None else _server_zygote()
-        if zygote is not None and zygote.can_start(self.env, self.cwd):
-            argv = [*self.command[3:], "--port", str(self.port)]  # after python -m tandem.cli
-            self.proc = zygote.start(argv, self.env, self.cwd, self.log.name)
-            self.pgid = self.proc.pid
-            return
         self.proc = subprocess.Popen(
             [*self.command, "--port", str(self.port)],
             cwd=self.cwd,
@@ -231,18 +219,6 @@ class RemoteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _server_zygote() -> Any:
-    """This test process's server zygote (started on first use), or None when turned off."""
-    global _zygote
-    if os.environ.get(NO_ZYGOTE_ENV) == "1":
-        return None
-    if _zygote is None or _zygote.proc.poll() is not None:
-        from server_zygote import ServerZygote
-
-        _zygote = ServerZygote(BASE_ENV)
-    return _zygote
 
 
 def scrape_metrics(server: RemoteServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
