@@ -135,6 +135,9 @@ class GraphRunner:
         self.block_size = runner.block_size
         lookahead = self.spec.config.kv_lookahead if self.spec is not None else 0
         self.max_blocks = max_blocks_per_request(max_model_len, lookahead, self.block_size)
+        # A model with sliding-window layers whose KV is the window group (gpt-oss): those
+        # layers read their own slots and block tables, static buffers too.
+        self.windowed = bool(runner.dummy_window_block_ids)
         self.graphs: dict[GraphKey, CapturedStep] = {}
         self.pool: Any = None
         self.num_replays = 0
@@ -157,6 +160,9 @@ class GraphRunner:
         z("block_tables", (b, self.max_blocks), i32)
         z("seq_lens", (b,), i32)
         z("query_start_loc", (b + 1,), i32)
+        if self.windowed:  # the window group's slots and tables (sliding-window layers)
+            z("window_slot_mapping", (n,), i64)
+            z("window_block_tables", (b, self.max_blocks), i32)
         if self.spec is None:
             return
         hidden = int(self.runner.model.config.hidden_size)
@@ -208,29 +214,35 @@ class GraphRunner:
         tables, seq_lens = buf["block_tables"][:b], buf["seq_lens"][:b]
         qsl = buf["query_start_loc"][: b + 1]
         tree_mask = buf["tree_mask"][:n] if tree else None
-        plan = None
-        if not gpu_paths(self.runner.device):  # the CPU attention path's indices
-            plan = partial(
-                build_attention_plan,
-                tables,
-                seq_lens,
-                qsl,
-                self.block_size,
-                k + 1,
-                max_seq_len,
-                num_tokens=n,
+
+        def group(slot_mapping: Tensor, tables: Tensor) -> AttentionMetadata:
+            plan = None
+            if not gpu_paths(self.runner.device):  # the CPU attention path's indices
+                plan = partial(
+                    build_attention_plan,
+                    tables,
+                    seq_lens,
+                    qsl,
+                    self.block_size,
+                    k + 1,
+                    max_seq_len,
+                    num_tokens=n,
+                    tree_mask=tree_mask,
+                )
+            return AttentionMetadata(
+                slot_mapping=slot_mapping,
+                block_tables=tables,
+                seq_lens=seq_lens,
+                query_start_loc=qsl,
+                max_query_len=k + 1,
+                max_seq_len=max_seq_len,
+                plan=plan,
                 tree_mask=tree_mask,
             )
-        meta = AttentionMetadata(
-            slot_mapping=buf["slot_mapping"][:n],
-            block_tables=tables,
-            seq_lens=seq_lens,
-            query_start_loc=qsl,
-            max_query_len=k + 1,
-            max_seq_len=max_seq_len,
-            plan=plan,
-            tree_mask=tree_mask,
-        )
+
+        meta = group(buf["slot_mapping"][:n], tables)
+        if self.windowed:
+            meta.window = group(buf["window_slot_mapping"][:n], buf["window_block_tables"][:b])
         counts = self._counts(b, k)
         if counts is not None:
             meta.all_rank_num_tokens, meta.all_rank_num_picked = counts
@@ -288,6 +300,7 @@ class GraphRunner:
             block_tables=meta.block_tables,  # every request is sampled: the same tables
             row_owner=buf["row_owner"][: b * (k + 1)],
             max_seq_len=meta.max_seq_len,
+            window_block_tables=None if meta.window is None else meta.window.block_tables,
         )
 
     def _tree_fn(self, b: int) -> Callable[[], tuple[Tensor, ...]]:
@@ -416,6 +429,11 @@ class GraphRunner:
         buf["block_tables"][:b, width:].zero_()  # never read past seq_lens; kept deterministic
         buf["seq_lens"][:b].copy_(meta.seq_lens)
         buf["query_start_loc"][: b + 1].copy_(meta.query_start_loc)
+        if self.windowed:
+            assert meta.window is not None
+            buf["window_slot_mapping"][:n].copy_(meta.window.slot_mapping)
+            buf["window_block_tables"][:b, :width].copy_(meta.window.block_tables)
+            buf["window_block_tables"][:b, width:].zero_()
         if self.spec is None:
             return
         if self.tree:
@@ -458,6 +476,7 @@ class GraphRunner:
             and inp.input_ids.shape[0] == n
             and meta.max_query_len == k + 1
             and meta.block_tables.shape[1] <= self.max_blocks
+            and (meta.window is not None) == self.windowed
             and (not self.tree or inp.target is not None)  # the tree's verify rows
             and (counts is None or (meta.all_rank_num_tokens, meta.all_rank_num_picked) == counts)
         )

@@ -115,31 +115,37 @@ def _blocks(i: int, worker: Worker) -> list[int]:
     return list(range(i * per, (i + 1) * per))
 
 
+def request_step(
+    worker: Worker,
+    rid: str,
+    tokens: list[int],
+    start: int,
+    i: int,
+    params: SamplingParams,
+    **kw: Any,
+) -> RequestStep:
+    """Request ``i``'s step on its blocks (in the window group too, for a model with
+    sliding-window layers: the same block numbers in that pool)."""
+    blocks = _blocks(i, worker)
+    window = list(blocks) if worker.window is not None else []
+    return RequestStep(rid, tokens, start, blocks, True, params, window_block_ids=window, **kw)
+
+
 def generation_step(worker: Worker, params: list[SamplingParams]) -> StepInput:
     """Prefill ``len(params)`` requests eagerly, then their first generation step (the last
     sampled token plus the K drafts the prefill proposed)."""
     runner = worker.runner
     ids = [f"g{i}" for i in range(len(params))]
     prefill = StepInput(
-        [
-            RequestStep(rid, PROMPTS[i], 0, _blocks(i, worker), True, params[i])
-            for i, rid in enumerate(ids)
-        ]
+        [request_step(worker, rid, PROMPTS[i], 0, i, params[i]) for i, rid in enumerate(ids)]
     )
     out = runner.execute(prefill)
     steps = []
     for i, rid in enumerate(ids):
         drafts = out.draft_token_ids[i] if runner.k else []
+        tokens = [out.token_ids[i][-1], *drafts]
         steps.append(
-            RequestStep(
-                rid,
-                [out.token_ids[i][-1], *drafts],
-                len(PROMPTS[i]),
-                _blocks(i, worker),
-                True,
-                params[i],
-                num_drafts=len(drafts),
-            )
+            request_step(worker, rid, tokens, len(PROMPTS[i]), i, params[i], num_drafts=len(drafts))
         )
     return StepInput(steps)
 
