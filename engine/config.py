@@ -1158,7 +1158,7 @@ class EngineArgs:
         if getattr(hf_config, "model_type", None) == "gpt_oss":
             from tandem.models.gpt_oss import check_gpt_oss
 
-            check_gpt_oss(device)
+            check_gpt_oss(device, hf_config)
         if self.kv_cache_dtype != "auto":
             why = fp8_kv_unavailable(device)
             if why is not None:

@@ -249,7 +249,9 @@ def _gpt_oss_experts_mxfp4_triton(
     pair_w = weights.reshape(-1).float().contiguous()
     num_blocks = block_expert.shape[0]
     options = {"num_warps": 8} if cuda else {}
-    upcast = not cuda
+    # float32 products in float32 (not TF32) where the activations are float32, and always in
+    # the interpreter.
+    upcast = not cuda or x.dtype == torch.float32
     # The gated GEMM reads two weight rows per output: half as many outputs per program.
     gate_n = block_n // 2 if cuda else block_n
     launch(

@@ -14,17 +14,18 @@ The block is Llama's pre-norm block with:
 
 Expert weights: the released MXFP4 tensors (``mlp.experts.gate_up_proj_blocks`` [E, 2I, H/32,
 16] uint8, two E2M1 values a byte, low nibble first; ``..._scales`` [E, 2I, H/32] uint8, E8M0
-exponents biased by 127) are dequantized at load; a bf16 checkpoint's ``gate_up_proj`` [E, H,
-2I] / ``down_proj`` [E, I, H] load as they are. Experts are placed whole, ``E / tp`` per rank,
-as for DeepSeek-V3 (models/moe.py), with its collectives under TP and attention DP.
+exponents biased by 127) stay as released on the GPU paths (``mxfp4_resident``; the Triton
+kernels of kernels/mxfp4.py dequantize them in registers, with no host read: CUDA graphs
+capture the step) and are dequantized at load elsewhere; a bf16 checkpoint's ``gate_up_proj``
+[E, H, 2I] / ``down_proj`` [E, I, H] load as they are (CPUs only: ``check_gpt_oss``). Experts
+are placed whole, ``E / tp`` per rank, as for DeepSeek-V3 (models/moe.py), with its
+collectives under TP and attention DP.
 
 The sinks and sliding windows run in the Triton attention kernel (CUDA, and CPU tests through
 the interpreter) and in ``paged_attention_reference`` on CPUs, chains and draft trees in both;
-the CPU fast path does not take them yet, and the experts loop over the experts a step routes
-to (a host read: no CUDA graph), so the engine refuses gpt-oss on CUDA (``check_gpt_oss``), and
-the fast path skips its layers (they are not plain Llama layers). The sliding layers' KV is the
-block manager's window group (engine/block_manager.py): its blocks are released as they leave
-the window.
+the CPU fast path skips its layers (they are not plain Llama layers). The sliding layers' KV is
+the block manager's window group (engine/block_manager.py): its blocks are released as they
+leave the window.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.mxfp4 import dequantize_mxfp4, gpt_oss_experts_reference
+from tandem.kernels.launch import HAS_TRITON, gpu_paths
+from tandem.kernels.mxfp4 import (
+    MXFP4_BLOCK,
+    dequantize_mxfp4,
+    gpt_oss_experts_mxfp4,
+    gpt_oss_experts_reference,
+)
 from tandem.models.attention import PagedAttention
 from tandem.models.deepseek_v3 import DeepseekV3Model
 from tandem.models.layers import RMSNorm, RowParallelLinear
@@ -130,24 +137,63 @@ class GptOssRouter(nn.Module):
         return torch.softmax(top, dim=-1), ids
 
 
+def is_mxfp4_checkpoint(config: Any) -> bool:
+    """Whether the folder's experts are the released MXFP4 tensors (``quantization_config``)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    return quant.get("quant_method") == "mxfp4"
+
+
+def mxfp4_resident(config: Any, device: torch.device) -> bool:
+    """Whether the experts stay MXFP4 in memory (the Triton MXFP4 x activation GEMMs, which
+    dequantize in registers): an MXFP4 checkpoint on the GPU paths. Elsewhere they are
+    dequantized at load and computed by the reference."""
+    return is_mxfp4_checkpoint(config) and gpu_paths(device) and HAS_TRITON
+
+
 class GptOssExperts(nn.Module):
     """This rank's experts ``first_expert ..``: ``w13`` [n, H, 2I] (gate and up interleaved by
-    column, as released) with ``w13_bias`` [n, 2I], ``w2`` [n, I, H] with ``w2_bias`` [n, H]."""
+    column, as released) with ``w13_bias`` [n, 2I], ``w2`` [n, I, H] with ``w2_bias`` [n, H].
+    ``mxfp4``: ``w13`` and ``w2`` stay as released, ``w13_blocks`` [n, 2I, H / 32, 16] and
+    ``w13_scales`` [n, 2I, H / 32] uint8 (``w2_*``: [n, H, I / 32, ...]), a quarter of bf16's
+    bytes, and the step's pairs run in ``gpt_oss_experts_mxfp4``'s Triton kernels (sorted by
+    expert on the device: no host read, CUDA-graph safe)."""
 
     def __init__(
-        self, num_local: int, first_expert: int, hidden: int, inter: int, config: Any
+        self,
+        num_local: int,
+        first_expert: int,
+        hidden: int,
+        inter: int,
+        config: Any,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         self.num_local, self.first_expert = num_local, first_expert
         self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
         self.limit = float(getattr(config, "swiglu_limit", 7.0))
+        self.mxfp4 = mxfp4
 
-        def param(*shape: int) -> nn.Parameter:
-            return set_loader(nn.Parameter(torch.empty(*shape), requires_grad=False), self.load)
+        def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+            empty = torch.empty(*shape, dtype=dtype)
+            return set_loader(nn.Parameter(empty, requires_grad=False), self.load)
 
-        self.w13 = param(num_local, hidden, 2 * inter)
+        if mxfp4:
+            if hidden % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+                raise ValueError(
+                    f"MXFP4 experts need hidden_size ({hidden}) and intermediate_size ({inter}) "
+                    f"in whole blocks of {MXFP4_BLOCK}"
+                )
+            u8, half = torch.uint8, MXFP4_BLOCK // 2
+            self.w13_blocks = param(num_local, 2 * inter, hidden // MXFP4_BLOCK, half, dtype=u8)
+            self.w13_scales = param(num_local, 2 * inter, hidden // MXFP4_BLOCK, dtype=u8)
+            self.w2_blocks = param(num_local, hidden, inter // MXFP4_BLOCK, half, dtype=u8)
+            self.w2_scales = param(num_local, hidden, inter // MXFP4_BLOCK, dtype=u8)
+        else:
+            self.w13 = param(num_local, hidden, 2 * inter)
+            self.w2 = param(num_local, inter, hidden)
         self.w13_bias = param(num_local, 2 * inter)
-        self.w2 = param(num_local, inter, hidden)
         self.w2_bias = param(num_local, hidden)
 
     def load(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -156,6 +202,12 @@ class GptOssExperts(nn.Module):
         copy_checked(param, full[self.first_expert : self.first_expert + self.num_local])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.mxfp4:
+            return gpt_oss_experts_mxfp4(
+                x, self.w13_blocks, self.w13_scales, self.w13_bias, self.w2_blocks,
+                self.w2_scales, self.w2_bias, weights, ids, self.first_expert, self.alpha,
+                self.limit,
+            )  # fmt: skip
         return gpt_oss_experts_reference(
             x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, ids, self.first_expert,
             self.alpha, self.limit,
@@ -175,7 +227,9 @@ class GptOssMoE(DeepseekV3MoE):
         self.set_placement(int(config.num_local_experts), "num_local_experts")
         num_local = self.placement.slots_per_rank
         self.gate = GptOssRouter(config)
-        self.experts = GptOssExperts(num_local, mapping.tp_rank * num_local, h, inter, config)
+        first = mapping.tp_rank * num_local
+        mxfp4 = mxfp4_resident(config, torch.empty(0).device)  # built under the load's device
+        self.experts = GptOssExperts(num_local, first, h, inter, config, mxfp4)
         self.shared_experts = None
 
 
@@ -194,13 +248,17 @@ class GptOssModel(DeepseekV3Model):
     layer_cls = GptOssDecoderLayer  # type: ignore[assignment]
 
 
-def check_gpt_oss(device: torch.device) -> None:
-    """What gpt-oss does not run on yet, refused at start."""
-    if device.type != "cpu":
+def check_gpt_oss(device: torch.device, config: Any) -> None:
+    """What gpt-oss does not run on, refused at start: on GPUs its experts run in the MXFP4
+    kernels, so a checkpoint whose experts are stored otherwise (bf16) serves on CPUs only."""
+    if gpu_paths(device) and not is_mxfp4_checkpoint(config):
         raise ValueError(
-            "gpt-oss runs on CPU devices only for now: its experts loop over the experts a step "
-            "routes to (a host read, no CUDA graph) (--device cpu)"
+            "this gpt-oss checkpoint's experts are not MXFP4 (its config has no "
+            "quantization_config with quant_method 'mxfp4'): on GPUs gpt-oss's experts run in "
+            "the MXFP4 kernels (serve the released MXFP4 checkpoint, or --device cpu)"
         )
+    if gpu_paths(device) and not HAS_TRITON:
+        raise ValueError("gpt-oss on GPUs runs its experts in Triton kernels: install triton")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -251,6 +309,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 if proj not in ours or part not in ("", "_bias", "_blocks", "_scales"):
                     raise ValueError(f"unexpected tensor in checkpoint: {ckpt_name}")
                 if part in ("", "_bias"):
+                    fill(head, proj, part, tensor)
+                    continue
+                if f"{head}.mlp.experts.{ours[proj]}{part}" in params:  # kept as released
                     fill(head, proj, part, tensor)
                     continue
                 halves = pending.setdefault(f"{head}|{proj}", {})

@@ -853,11 +853,13 @@ def build_gpt_oss(
     head_dim: int = 16,
     experts: int = 8,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
     """Save a random ``GptOssForCausalLM`` + tokenizer into ``folder`` from gpt-oss-20b's
     released config values (``GPT_OSS_20B``), sinks and biases random (transformers' init
     zeroes some); with ``mxfp4`` the experts are stored as the release stores them
-    (``*_blocks`` / ``*_scales``) and ``quantization_config`` says so."""
+    (``*_blocks`` / ``*_scales``) and ``quantization_config`` says so. ``sliding_window``
+    replaces the released 128."""
     import transformers as tf
     from safetensors.torch import load_file, save_file
 
@@ -874,6 +876,7 @@ def build_gpt_oss(
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "num_local_experts": experts,
+        "sliding_window": sliding_window or GPT_OSS_20B["sliding_window"],
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tandem.kernels.launch import FORCE_GPU_PATHS, GPU_PATHS_ENV
 
@@ -45,7 +46,7 @@ def test_in_a_process_on_the_gpu_paths() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == len(METHODS) + 5, proc.stdout[-3000:]
+    assert passed and int(passed.group(1)) == len(METHODS) + 6, proc.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,6 +112,38 @@ def test_inner_every_graph_key_replays_capture_safe(
     check_variant(worker, MIXED, ADVANCED if method != "none" else SAMPLED)
     assert watched.replays >= (6 if method == "none" else 12)  # target (+ draft) x 3 x 2
     assert not watched.hazards, _report(watched.hazards)
+
+
+@inner
+def test_inner_gpt_oss_mxfp4_with_windows_replays_capture_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss on the GPU paths: its experts stay MXFP4 as released (the loaded blocks and
+    scales are the checkpoint's) and run in the Triton kernels; its sliding-window layers read
+    the window group's slots and tables from static buffers too. Every key of an Eagle3 draft
+    tree replays what eager execution gives (greedy), capture-safe."""
+    from safetensors.torch import load_file
+
+    from checkpoints import build_eagle3_draft, build_gpt_oss
+    from graph_checks import GREEDY, check_variant, make_worker, spec_config
+    from tandem.engine.cuda_graph import GREEDY as GREEDY_VARIANT
+
+    # Four experts (every one chosen: top-4), one KV head: few interpreted programs a step.
+    target = build_gpt_oss(
+        tmp_path / "gpt", mxfp4=True, heads=2, kv_heads=1, experts=4, sliding_window=8
+    )
+    head = build_eagle3_draft(tmp_path / "head", target)
+    worker = make_worker(target, spec_config("eagle3-tree", head), "cpu")
+    assert worker.window == 8 and worker.runner.graph_runner.windowed
+    experts = worker.model.model.layers[0].mlp.experts
+    stored = load_file(str(next(target.glob("*.safetensors"))))
+    assert experts.mxfp4 and not hasattr(experts, "w13")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(experts.w13_blocks, stored[f"{name}_blocks"])
+    assert torch.equal(experts.w13_scales, stored[f"{name}_scales"])
+    watched = _Watched(worker.runner, monkeypatch)
+    check_variant(worker, [GREEDY] * 4, GREEDY_VARIANT)  # (the sampled variant: same target)
+    assert watched.replays >= 6 and not watched.hazards, _report(watched.hazards)
 
 
 @inner

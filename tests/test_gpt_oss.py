@@ -190,6 +190,13 @@ def test_loading_errors_name_the_tensor(ckpts: dict[str, Path], tmp_path: Path) 
         LLM(str(ckpts["bf16"]), dtype="float32", max_model_len=512, speculative_config=spec)
 
 
-def test_what_it_does_not_run_on_yet_is_refused() -> None:
-    with pytest.raises(ValueError, match="CPU devices only"):
-        check_gpt_oss(torch.device("cuda"))
+def test_a_checkpoint_whose_experts_are_not_mxfp4_is_refused_on_gpus(ckpts: dict) -> None:
+    """On GPUs the experts run in the MXFP4 kernels: a bf16 checkpoint is refused there (and
+    served on CPUs), the released layout is not."""
+    from transformers import AutoConfig
+
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="not MXFP4.*--device cpu"):
+        check_gpt_oss(cuda, AutoConfig.from_pretrained(ckpts["bf16"]))
+    check_gpt_oss(cuda, AutoConfig.from_pretrained(ckpts["mxfp4"]))
+    check_gpt_oss(torch.device("cpu"), AutoConfig.from_pretrained(ckpts["bf16"]))
