@@ -328,9 +328,9 @@ def _pair_counts(
 def test_tree_sampling_matches_plain_sampling(near_echo: tuple[Path, Path], sampling: dict) -> None:
     """The first two tokens (the second one emitted by tree verification: an accepted depth-1
     node or the draw from what the rejected children leave) are distributed as plain sampling
-    from the target: two-sample chi-square over 20,000 requests each, p > 0.01."""
+    from the target: two-sample chi-square over 10,000 requests each, p > 0.01."""
     target, head = near_echo
-    n = int(os.environ.get("TREE_CHI2_N", "20000"))
+    n = int(os.environ.get("TREE_CHI2_N", "10000"))
     spec = _tree(head, 3, 6, 2)
     with LLM(str(target), dtype="float32", max_num_seqs=512) as llm:
         plain = _pair_counts(llm, n, sampling, 0)
