@@ -310,6 +310,14 @@ def test_cuda_gpt_oss_mxfp4_equals_cpu_greedy(gpt_oss: tuple[Path, Path], method
     ) as llm:
         experts = llm.engine.executor.worker.model.model.layers[0].mlp.experts
         assert experts.mxfp4 and experts.w13_blocks.dtype == torch.uint8
+        held = sum(
+            t.numel() * t.element_size()
+            for n, t in experts.named_parameters()
+            if n.endswith(("_blocks", "_scales"))
+        )
+        values = 32 * (experts.w13_scales.numel() + experts.w2_scales.numel())
+        print(f"\ngpt-oss expert weights resident on the GPU: {held:,} B (bf16: {2 * values:,} B)")
+        assert held * 3 < 2 * values  # 4.25 bits a value against 16
         assert llm.engine.executor.worker.runner.graph_runner is not None
         got = _tokens(llm.generate(PROMPTS, GREEDY))
         assert llm.engine.get_stats().num_used_kv_blocks == 0
