@@ -121,11 +121,18 @@ def test_inner_gpt_oss_mxfp4_with_windows_replays_capture_safe(
     """gpt-oss on the GPU paths: its experts stay MXFP4 as released (the loaded blocks and
     scales are the checkpoint's) and run in the Triton kernels; its sliding-window layers read
     the window group's slots and tables from static buffers too. Every key of an Eagle3 draft
-    tree replays what eager execution gives (greedy), capture-safe."""
+    tree replays what eager execution gives (greedy, padded), capture-safe."""
     from safetensors.torch import load_file
 
     from checkpoints import build_eagle3_draft, build_gpt_oss
-    from graph_checks import GREEDY, check_variant, make_worker, spec_config
+    from graph_checks import (
+        GREEDY,
+        assert_same,
+        generation_step,
+        make_worker,
+        replay_and_eager,
+        spec_config,
+    )
     from tandem.engine.cuda_graph import GREEDY as GREEDY_VARIANT
 
     # Four experts (every one chosen: top-4), one KV head: few interpreted programs a step.
@@ -133,7 +140,7 @@ def test_inner_gpt_oss_mxfp4_with_windows_replays_capture_safe(
         tmp_path / "gpt", mxfp4=True, heads=2, kv_heads=1, experts=4, sliding_window=8
     )
     head = build_eagle3_draft(tmp_path / "head", target)
-    worker = make_worker(target, spec_config("eagle3-tree", head), "cpu")
+    worker = make_worker(target, spec_config("eagle3-tree", head), "cpu", batch_sizes=(4,))
     assert worker.window == 8 and worker.runner.graph_runner.windowed
     experts = worker.model.model.layers[0].mlp.experts
     stored = load_file(str(next(target.glob("*.safetensors"))))
@@ -142,8 +149,12 @@ def test_inner_gpt_oss_mxfp4_with_windows_replays_capture_safe(
     assert torch.equal(experts.w13_blocks, stored[f"{name}_blocks"])
     assert torch.equal(experts.w13_scales, stored[f"{name}_scales"])
     watched = _Watched(worker.runner, monkeypatch)
-    check_variant(worker, [GREEDY] * 4, GREEDY_VARIANT)  # (the sampled variant: same target)
-    assert watched.replays >= 6 and not watched.hazards, _report(watched.hazards)
+    # Three live rows padded to four (the sampled variant runs the same target forward).
+    step = generation_step(worker, [GREEDY] * 3)
+    eager, graphed, key, _ = replay_and_eager(worker, step)
+    assert key.variant == GREEDY_VARIANT and key.batch_size == 4
+    assert_same(eager, graphed)
+    assert watched.replays >= 2 and not watched.hazards, _report(watched.hazards)
 
 
 @inner
