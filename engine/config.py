@@ -104,24 +104,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 def fp8_kv_unavailable(device: torch.device) -> str | None:
     """Why an FP8 KV cache cannot serve on ``device`` (None: it can). CPUs read it on the
-    PyTorch path; on a GPU the Triton kernels convert e4m3 in registers, which Triton compiles
-    for compute capability 8.9 and newer only (Ada, Hopper, Blackwell)."""
-    from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
-    from tandem.kernels.launch import FORCE_GPU_PATHS, HAS_TRITON, gpu_paths
+    PyTorch path; on a GPU the Triton kernels convert e4m3 in registers, which needs what FP8
+    weights need (Triton, compute capability 8.9 and newer)."""
+    from tandem.kernels.launch import gpu_paths
+    from tandem.models.quantization import fp8_compute_unavailable
 
-    if not gpu_paths(device):
-        return None
-    if not HAS_TRITON:
-        return "the GPU attention kernels need Triton, which is not installed"
-    if device.type == "cuda" and not FORCE_GPU_PATHS:
-        cap = torch.cuda.get_device_capability(device)
-        if cap < FP8_MIN_CAPABILITY:
-            return (
-                f"this GPU is sm_{cap[0]}{cap[1]}; the Triton kernels read and write e4m3 on "
-                f"sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} and newer "
-                "(--kv-cache-dtype auto serves it)"
-            )
-    return None
+    return fp8_compute_unavailable(device) if gpu_paths(device) else None
 
 
 @dataclass(frozen=True)

@@ -251,13 +251,15 @@ class GptOssModel(DeepseekV3Model):
 def check_gpt_oss(device: torch.device, config: Any) -> None:
     """What gpt-oss does not run on, refused at start: on GPUs its experts run in the MXFP4
     kernels, so a checkpoint whose experts are stored otherwise (bf16) serves on CPUs only."""
-    if gpu_paths(device) and not is_mxfp4_checkpoint(config):
+    if not gpu_paths(device):
+        return
+    if not is_mxfp4_checkpoint(config):
         raise ValueError(
             "this gpt-oss checkpoint's experts are not MXFP4 (its config has no "
             "quantization_config with quant_method 'mxfp4'): on GPUs gpt-oss's experts run in "
             "the MXFP4 kernels (serve the released MXFP4 checkpoint, or --device cpu)"
         )
-    if gpu_paths(device) and not HAS_TRITON:
+    if not HAS_TRITON:
         raise ValueError("gpt-oss on GPUs runs its experts in Triton kernels: install triton")
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import add_mtp_layers, build_deepseek_v3, build_gpt_oss, build_llama
 from tandem import LLM, SamplingParams
 from tandem.engine.config import EngineArgs, fp8_kv_unavailable
+from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
 from tandem.kernels.paged_attention import FP8_KV_DTYPE
 
 PROMPTS = [
@@ -174,7 +175,7 @@ def test_refused_where_it_does_not_run(llama: Path, monkeypatch: pytest.MonkeyPa
 
 def needs_fp8_gpu(test: Any) -> Any:
     """A gpu test that needs e4m3 in Triton (sm_89 or newer)."""
-    older = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9)
+    older = torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY
     reason = "needs a CUDA device" if not torch.cuda.is_available() else "needs sm_89 or newer"
     return pytest.mark.gpu(
         pytest.mark.skipif(not torch.cuda.is_available() or older, reason=reason)(test)

@@ -683,9 +683,11 @@ def test_triton_cuda_reads_and_writes_an_fp8_cache(kind: str) -> None:
         selector = f"test_triton_cuda_reads_and_writes_an_fp8_cache and {kind}"
         assert run_in_fresh_interpreter(__file__, selector, interpret=False) == 1
         return
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("e4m3 in Triton needs sm_89 or newer")
+    from tandem.kernels.fp8 import FP8_MIN_CAPABILITY
     from tandem.kernels.paged_attention import FP8_KV_DTYPE
+
+    if torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+        pytest.skip("e4m3 in Triton needs sm_89 or newer")
 
     heads, kv_heads, dim = (16, 1, 576) if kind == "mla" else (8, 2, 128)
     scenario = "mixed" if kind == "mla" else "verify"
