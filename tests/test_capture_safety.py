@@ -120,8 +120,9 @@ def test_inner_gpt_oss_mxfp4_with_windows_replays_capture_safe(
 ) -> None:
     """gpt-oss on the GPU paths: its experts stay MXFP4 as released (the loaded blocks and
     scales are the checkpoint's) and run in the Triton kernels; its sliding-window layers read
-    the window group's slots and tables from static buffers too. Every key of an Eagle3 draft
-    tree replays what eager execution gives (greedy, padded), capture-safe."""
+    the window group's slots and tables from static buffers too. The one captured key (4 rows,
+    greedy) of an Eagle3 draft tree replays, for three live rows and a padding row, what eager
+    execution gives, capture-safe."""
     from safetensors.torch import load_file
 
     from checkpoints import build_eagle3_draft, build_gpt_oss
